@@ -1,0 +1,1 @@
+"""Transports behind ``Buffer``: one folder each, all implementing :class:`~.base.Backend`."""

@@ -1,0 +1,523 @@
+"""``Buffer``: the DeepEP-compatible front end.
+
+It validates every call once, picks the streams, and hands well-formed tensors to one backend
+(``backends/collective`` for gloo groups and CPU tensors, ``backends/nvlink`` for NCCL groups
+inside one node). The methods, arguments and return values follow ``deep_ep.Buffer``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import checks
+from .backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
+from .checks import require
+from .config import Config
+from .event import EventOverlap, capture_event
+from .handles import DispatchHandle, LowLatencyHandle
+from .streams import on_comm_stream
+
+_buffer_ids = itertools.count(1)
+
+
+def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                             num_experts: int) -> int:
+    """Bytes of the low-latency area: two (double-buffered) sets of a receive area for
+    [E, T] fp8-or-bf16 rows with scales and a combine area of [E, T] bf16 rows."""
+    rows = num_experts * num_max_dispatch_tokens_per_rank
+    dispatch_row_bytes = hidden * 2 + (hidden // 128) * 4 + 16
+    combine_row_bytes = hidden * 2
+    per_set = rows * (dispatch_row_bytes + combine_row_bytes)
+    return _round_up(2 * per_set, 1 << 20)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+class Buffer:
+    """Communication buffers for expert-parallel dispatch and combine.
+
+    Arguments:
+        group: the process group of the expert-parallel ranks. gloo with CPU tensors selects
+            the CPU backend; NCCL with CUDA tensors (all ranks in one node) the NVLink backend.
+        num_nvl_bytes: bytes of the intranode buffer used by normal-mode dispatch/combine.
+        num_rdma_bytes: bytes of the buffer used by low-latency mode (and, later, internode).
+        low_latency_mode: enable the low-latency kernels.
+        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink:
+            accepted for DeepEP compatibility; they select nothing here.
+        explicitly_destroy: if True, memory is released only by ``destroy()``.
+
+    The constructor is collective: every rank of ``group`` must call it.
+    """
+
+    num_sms: int = 20
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+    ) -> None:
+        require(group is not None, "Buffer needs a torch.distributed process group")
+        require(num_nvl_bytes >= 0 and num_rdma_bytes >= 0,
+                f"buffer sizes must be >= 0, got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.buffer_id = next(_buffer_ids)
+        self.backend: Backend = _make_backend(self)
+        self.device = self.backend.device
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ static helpers
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SMs (programs per launch) normal-mode kernels may use. Must be even."""
+        require(new_num_sms % 2 == 0 and new_num_sms > 0, f"num_sms must be a positive even number, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream, to pass as ``previous_event``."""
+        return capture_event()
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Triton compiles for the GPU at hand at run time, so Hopper is always covered."""
+        return True
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Recommended dispatch config for ``num_ranks`` ranks."""
+        return Config(Buffer.num_sms, 32, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Recommended combine config for ``num_ranks`` ranks."""
+        return Config(Buffer.num_sms, 32, 256, 6, 128)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of ``num_rdma_bytes`` low-latency mode needs for these sizes."""
+        return low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    # ------------------------------------------------------------------ lifetime and memory
+    def destroy(self) -> None:
+        """Release the buffers (collective). Only allowed with ``explicitly_destroy=True``."""
+        require(self.explicitly_destroy, "destroy() is only for buffers made with explicitly_destroy=True")
+        self._check_alive()
+        self.backend.destroy()
+        self._destroyed = True
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """The stream communication kernels run on (None on the CPU backend)."""
+        return self.backend.comm_stream()
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """A view of this rank's communication memory.
+
+        Arguments:
+            dtype: element type of the view.
+            size: shape of the view; None means as many elements as fit after ``offset``.
+            offset: byte offset into the buffer.
+            use_rdma_buffer: view the low-latency (RDMA) buffer instead of the NVLink one.
+
+        Returns:
+            a tensor aliasing the buffer.
+        """
+        self._check_alive()
+        total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        element = torch.empty((), dtype=dtype).element_size()
+        require(0 <= offset <= total, f"offset {offset} is outside the {total}-byte buffer")
+        if size is not None:
+            needed = int(torch.Size(size).numel()) * element
+            require(offset + needed <= total,
+                    f"a {list(size)} {dtype} view at offset {offset} needs {offset + needed} bytes; "
+                    f"the buffer has {total}")
+        return self.backend.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """Count how many tokens go to each rank and expert.
+
+        Arguments:
+            topk_idx: [N, K] int64, global expert ids in [0, E) or -1 for no expert.
+            num_experts: E, divisible by the number of ranks.
+            previous_event, async_finish, allocate_on_comm_stream: stream control (see class doc).
+
+        Returns:
+            num_tokens_per_rank: [R] int32.
+            num_tokens_per_rdma_rank: None (all ranks are in one node).
+            num_tokens_per_expert: [E] int32.
+            is_token_in_rank: [N, R] bool.
+            event: the event to wait on when ``async_finish``.
+        """
+        self._check_alive()
+        checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        checks.check_num_experts(num_experts, self.group_size)
+        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(None, None), device=self.device)
+        checks.check_expert_ids("topk_idx", topk_idx, num_experts)
+        with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, (topk_idx,)) as scope:
+            per_rank, per_expert, in_rank = self.backend.get_dispatch_layout(topk_idx, num_experts)
+            scope.keep(per_rank, per_expert, in_rank)
+        return per_rank, None, per_expert, in_rank, scope.event
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple:
+        """Send each token to every rank that holds one of its top-k experts.
+
+        Arguments:
+            x: bf16 [N, H], or a tuple (fp8 e4m3 [N, H], scales float32 [N, H/128] or packed
+                int32) whose scales are carried through unchanged.
+            handle: a handle from an earlier dispatch: reuse its layout (cached mode). Then the
+                layout arguments and top-k must be None.
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from
+                ``get_dispatch_layout``. ``num_tokens_per_rdma_rank`` must be None (one node).
+            topk_idx: [N, K] int64 global expert ids (-1 = none); topk_weights: [N, K] float32.
+            expert_alignment: round each per-expert count up to a multiple of this.
+            num_worst_tokens: if > 0, output exactly this many rows and skip the host sync.
+            config: performance knobs; defaults to ``get_dispatch_config``.
+            previous_event, async_finish, allocate_on_comm_stream: stream control.
+
+        Returns:
+            recv_x: bf16 [M, H] or (fp8 [M, H], scales), rows grouped by source rank ascending,
+                source token order inside a group.
+            recv_topk_idx: [M, K] int64, ids local to this rank, -1 for experts elsewhere.
+            recv_topk_weights: [M, K] float32, 0 where recv_topk_idx is -1.
+            num_recv_tokens_per_expert_list: list of E/R ints, aligned (empty with num_worst_tokens).
+            handle: for combine and cached dispatch; element 0 is rank_prefix_matrix.
+            event: the event to wait on when ``async_finish``.
+            In cached mode recv_topk_idx, recv_topk_weights, the list and handle are None.
+        """
+        self._check_alive()
+        checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        config = config or self.get_dispatch_config(self.group_size)
+        data, scales = checks.split_x(x, self.device)
+        num_tokens, hidden = data.shape
+        require(num_tokens_per_rdma_rank is None,
+                "num_tokens_per_rdma_rank must be None: all ranks of this Buffer are in one node")
+        require(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0,
+                f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        require(isinstance(expert_alignment, int) and expert_alignment >= 1,
+                f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if handle is not None:
+            self._check_handle(handle)
+            require(topk_idx is None and topk_weights is None and num_tokens_per_rank is None
+                    and is_token_in_rank is None and num_tokens_per_expert is None,
+                    "cached dispatch (handle given) takes no layout, topk_idx or topk_weights")
+            require(num_tokens == handle.is_token_in_rank.shape[0],
+                    f"cached dispatch: x has {num_tokens} tokens but the handle was made for "
+                    f"{handle.is_token_in_rank.shape[0]}")
+            request = DispatchRequest(
+                x=data, x_scales=scales, topk_idx=None, topk_weights=None,
+                is_token_in_rank=handle.is_token_in_rank,
+                num_tokens_per_rank=handle.is_token_in_rank.sum(0, dtype=torch.int32),
+                num_tokens_per_expert=None, num_experts=0, expert_alignment=expert_alignment,
+                num_worst_tokens=num_worst_tokens, cached_handle=handle, config=config)
+        else:
+            require(num_tokens_per_rank is not None and is_token_in_rank is not None,
+                    "dispatch without a handle needs num_tokens_per_rank and is_token_in_rank "
+                    "(from get_dispatch_layout)")
+            require(num_tokens_per_expert is not None, "dispatch without a handle needs num_tokens_per_expert")
+            R = self.group_size
+            checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,),
+                                device=self.device)
+            checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R),
+                                device=self.device)
+            checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
+                                shape=(None,), device=self.device)
+            num_experts = num_tokens_per_expert.shape[0]
+            checks.check_num_experts(num_experts, R)
+            if topk_idx is not None:
+                checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None),
+                                    device=self.device)
+                checks.check_expert_ids("topk_idx", topk_idx, num_experts)
+                require(topk_weights is not None, "topk_idx was given without topk_weights")
+                checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32,
+                                    shape=tuple(topk_idx.shape), device=self.device)
+            else:
+                require(topk_weights is None, "topk_weights was given without topk_idx")
+            request = DispatchRequest(
+                x=data, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
+                is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
+                num_tokens_per_expert=num_tokens_per_expert, num_experts=num_experts,
+                expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, cached_handle=None,
+                config=config)
+        inputs = (data, scales, topk_idx, topk_weights, is_token_in_rank)
+        with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, inputs) as scope:
+            result = self.backend.dispatch(request)
+            scope.keep(result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
+        recv_x = result.recv_x if scales is None else (result.recv_x, result.recv_x_scales)
+        if handle is not None:
+            return recv_x, None, None, None, None, scope.event
+        return (recv_x, result.recv_topk_idx, result.recv_topk_weights,
+                result.num_recv_tokens_per_expert_list, result.handle, scope.event)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Send each received row back to its source rank and sum the copies of each token.
+
+        Arguments:
+            x: bf16 [M, H] in the order dispatch returned (M as in the handle).
+            handle: the handle of that dispatch.
+            topk_weights: optional [M, K] float32, summed the same way.
+            bias: optional bf16 [N, H] tensor or 2-tuple of them, added to the result.
+            config, previous_event, async_finish, allocate_on_comm_stream: as in dispatch.
+
+        Returns:
+            combined_x: bf16 [N, H], out[t] = bias + sum over ranks that received t of their row
+                (accumulated in float32, not weighted).
+            combined_topk_weights: [N, K] float32 or None.
+            event: the event to wait on when ``async_finish``.
+        """
+        self._check_alive()
+        checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        config = config or self.get_combine_config(self.group_size)
+        self._check_handle(handle)
+        rows = handle.num_recv_rows
+        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(rows, None), device=self.device)
+        if topk_weights is not None:
+            checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(rows, None),
+                                device=self.device)
+        num_tokens = handle.is_token_in_rank.shape[0]
+        biases = bias if isinstance(bias, tuple) else (bias, None)
+        require(len(biases) == 2, f"bias must be a tensor or a 2-tuple, got {len(biases)} elements")
+        for index, item in enumerate(biases):
+            if item is not None:
+                checks.check_tensor(f"bias[{index}]", item, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]),
+                                    device=self.device)
+        inputs = (x, topk_weights, biases)
+        with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, inputs) as scope:
+            combined_x, combined_weights = self.backend.combine(x, handle, topk_weights, biases, config)
+            scope.keep(combined_x, combined_weights)
+        return combined_x, combined_weights, scope.event
+
+    # ------------------------------------------------------------------ low-latency mode
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple:
+        """Send each (token, expert) pair to the expert's rank, packed per local expert.
+
+        Arguments:
+            x: bf16 [N, H] with N <= num_max_dispatch_tokens_per_rank (T, same on all ranks).
+            topk_idx: [N, K] int64 global expert ids, -1 = none, K <= 11.
+            num_max_dispatch_tokens_per_rank: T.
+            num_experts: E, divisible by the number of ranks.
+            cumulative_local_expert_recv_stats: optional int32 [E/R], incremented by the counts.
+            dispatch_wait_recv_cost_stats: optional int64 [R], incremented by nanoseconds spent
+                waiting for each source rank's data.
+            use_fp8: cast to e4m3 with per-128-channel scales; round_scale: scales rounded up to
+                powers of two; use_ue8m0: pack the scales' exponents into int32 (needs round_scale).
+            async_finish: return an event instead of finishing on the current stream.
+            return_recv_hook: only issue the sends; call the returned hook to receive.
+
+        Returns:
+            packed_recv_x: [E/R, R*T, H] e4m3 with scales [E/R, R*T, H/128] float32 (or
+                [E/R, R*T, H/512] int32 with ue8m0), column-major in the last two dims; or bf16.
+            packed_recv_count: [E/R] int32 valid rows per local expert.
+            handle: (src_info, layout_range, T, H, E).
+            event: the event to wait on when ``async_finish``.
+            hook: the receive hook when ``return_recv_hook``, else None.
+        """
+        self._check_alive()
+        request = self._check_low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        with on_comm_stream(self.backend.comm_stream(), None, async_finish, (x, topk_idx)) as scope:
+            result = self.backend.low_latency_dispatch(request)
+            scope.keep(result.packed_recv_x, result.packed_recv_count)
+        return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, result.hook
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """Send expert outputs back and sum them, weighted, per token.
+
+        Arguments:
+            x: bf16 [E/R, R*T, H], expert outputs at the rows low_latency_dispatch filled.
+            topk_idx: [N, K] int64, the same ids given to that dispatch.
+            topk_weights: [N, K] float32.
+            handle: the handle of that dispatch.
+            use_logfmt: accepted for compatibility; rows travel as bf16.
+            zero_copy: x was written into ``get_next_low_latency_combine_buffer(handle)``.
+            async_finish, return_recv_hook: as in low_latency_dispatch.
+            out: optional bf16 [N, H] to write the result into.
+
+        Returns:
+            combined_x: bf16 [N, H], out[t] = sum_k topk_weights[t, k] * y_{topk_idx[t, k]}(t).
+            event, hook: as in low_latency_dispatch.
+        """
+        self._check_alive()
+        require(self.low_latency_mode, "low_latency_combine needs a Buffer made with low_latency_mode=True")
+        require(isinstance(handle, LowLatencyHandle), f"handle must come from low_latency_dispatch, got "
+                f"{type(handle).__name__}")
+        self._check_handle(handle)
+        require(not (async_finish and return_recv_hook), "async_finish and return_recv_hook cannot both be set")
+        _, _, T, hidden, num_experts = handle
+        R = self.group_size
+        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_experts // R, R * T, hidden),
+                            device=self.device)
+        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(None, None), device=self.device)
+        checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
+                            device=self.device)
+        require(topk_idx.shape[0] <= T, f"topk_idx has {topk_idx.shape[0]} tokens, more than T={T}")
+        checks.check_expert_ids("topk_idx", topk_idx, num_experts)
+        if out is not None:
+            checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden),
+                                device=self.device)
+        with on_comm_stream(self.backend.comm_stream(), None, async_finish, (x, topk_idx, topk_weights)) as scope:
+            combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
+                                                              return_recv_hook, out)
+            scope.keep(combined)
+        return combined, scope.event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """A writable bf16 [E/R, R*T, H] view that ``low_latency_combine(zero_copy=True)`` sends from."""
+        self._check_alive()
+        require(self.low_latency_mode, "get_next_low_latency_combine_buffer needs low_latency_mode=True")
+        self._check_handle(handle)
+        return self.backend.get_next_low_latency_combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency area after its memory was used by normal mode. Collective."""
+        self._check_alive()
+        require(self.low_latency_mode, "clean_low_latency_buffer needs low_latency_mode=True")
+        self._check_low_latency_size(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    # ------------------------------------------------------------------ internals
+    def _check_alive(self) -> None:
+        require(not self._destroyed, "this Buffer was destroyed")
+
+    def _check_handle(self, handle: object) -> None:
+        require(isinstance(handle, (DispatchHandle, LowLatencyHandle)),
+                f"handle must come from this Buffer's dispatch, got {type(handle).__name__}")
+        require(handle.buffer_id == self.buffer_id,  # type: ignore[union-attr]
+                "this handle was made by another Buffer; pass it only to the Buffer that dispatched")
+
+    def _check_low_latency_size(self, T: int, hidden: int, num_experts: int) -> None:
+        needed = low_latency_buffer_bytes(T, hidden, self.group_size, num_experts)
+        require(self.num_rdma_bytes >= needed,
+                f"low-latency mode with T={T}, hidden={hidden}, num_experts={num_experts} needs "
+                f"num_rdma_bytes >= {needed} (Buffer.get_low_latency_rdma_size_hint), this Buffer has "
+                f"{self.num_rdma_bytes}")
+
+    def _check_low_latency_dispatch(self, x, topk_idx, T, num_experts, recv_stats, wait_stats, use_fp8,
+                                    round_scale, use_ue8m0, async_finish, return_recv_hook
+                                    ) -> LowLatencyDispatchRequest:
+        require(self.low_latency_mode, "low_latency_dispatch needs a Buffer made with low_latency_mode=True")
+        R = self.group_size
+        checks.check_num_experts(num_experts, R)
+        require(isinstance(T, int) and T > 0, f"num_max_dispatch_tokens_per_rank must be a positive int, got {T!r}")
+        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None), device=self.device)
+        num_tokens, hidden = x.shape
+        require(num_tokens <= T, f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={T}")
+        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=self.device)
+        require(topk_idx.shape[1] <= 11, f"low-latency mode supports top-k <= 11, got {topk_idx.shape[1]}")
+        checks.check_expert_ids("topk_idx", topk_idx, num_experts)
+        if use_fp8:
+            require(hidden % 128 == 0, f"fp8 low-latency dispatch needs hidden to be a multiple of 128, got {hidden}")
+        require(not use_ue8m0 or (use_fp8 and round_scale), "use_ue8m0 needs use_fp8=True and round_scale=True")
+        if use_ue8m0:
+            require(hidden % 512 == 0, f"use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, "
+                    f"got {hidden}")
+        require(not (async_finish and return_recv_hook), "async_finish and return_recv_hook cannot both be set")
+        if recv_stats is not None:
+            checks.check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32,
+                                shape=(num_experts // R,), device=self.device)
+        if wait_stats is not None:
+            checks.check_tensor("dispatch_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(R,),
+                                device=self.device)
+        self._check_low_latency_size(T, hidden, num_experts)
+        return LowLatencyDispatchRequest(
+            x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=num_experts, use_fp8=use_fp8,
+            round_scale=round_scale, use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=recv_stats,
+            dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook)
+
+
+def _make_backend(buffer: Buffer) -> Backend:
+    """gloo -> the collective (CPU) backend; NCCL -> the NVLink backend.
+
+    ``TRITONEP_BACKEND=collective`` forces the collective backend on any group (NCCL included),
+    which is what the benchmark's all_to_all_single baseline uses.
+    """
+    choice = os.environ.get("TRITONEP_BACKEND", "auto")
+    backend_name = dist.get_backend(buffer.group)
+    if choice == "collective" or (choice == "auto" and backend_name != "nccl"):
+        from .backends.collective import CollectiveBackend
+
+        return CollectiveBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
+                                 buffer.low_latency_mode)
+    from .backends.nvlink import NvlinkBackend
+
+    return NvlinkBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
+                         buffer.low_latency_mode)

@@ -1,0 +1,43 @@
+"""Performance knobs for normal-mode dispatch and combine (DeepEP's ``Config``).
+
+The fields keep DeepEP's names so that code tuned for DeepEP passes them unchanged.
+Backends read only what means something to them: the NVLink backend uses ``num_sms``
+(programs per launch) and ``num_max_nvl_chunked_send_tokens`` (rows between progress
+signals); the CPU backend uses none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.num_sms <= 0:
+            raise ValueError(f"Config.num_sms must be positive, got {self.num_sms}")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer needed for a dispatch of ``hidden_bytes`` per token.
+
+        Our NVLink transport stages every received row (no ring buffer), so the hint is sized
+        for ``num_max_nvl_chunked_recv_tokens`` rows from each rank plus per-row metadata;
+        callers with more tokens should size ``num_nvl_bytes`` with
+        :func:`tritonep.buffer.nvl_bytes_for` instead.
+        """
+        rows = self.num_max_nvl_chunked_recv_tokens * num_ranks
+        return _round_up(rows * (hidden_bytes + 256) + (1 << 20), 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Internode (RDMA) buffer hint; zero until the internode backend exists."""
+        return 0
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

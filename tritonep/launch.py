@@ -1,0 +1,123 @@
+"""Run a function on R ranks of a local process group: the demo, the benchmark and the tests.
+
+``RankPool(R)`` starts R processes once (gloo on CPU ranks, or NCCL with one GPU each) and
+then runs any number of picklable functions on all of them, returning each rank's result.
+Keeping the processes alive lets a test suite run hundreds of cases without paying process
+start-up and group creation for each one. An exception on any rank is re-raised in the caller
+with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RankFailure(RuntimeError):
+    """A function failed on one or more ranks; the message holds their tracebacks."""
+
+
+def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if use_gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend="nccl" if use_gpu else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=num_ranks,
+        **({"device_id": torch.device("cuda", rank)} if use_gpu else {}),
+    )
+    group = dist.group.WORLD
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            conn.send(("ok", fn(group, *args, **kwargs)))
+        except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
+            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """R worker processes joined in one process group.
+
+    Arguments:
+        num_ranks: R.
+        use_gpu: one GPU per rank with NCCL; otherwise CPU ranks with gloo.
+        timeout: seconds to wait for a function on all ranks before declaring a hang.
+    """
+
+    def __init__(self, num_ranks: int, use_gpu: bool = False, timeout: float = 300.0) -> None:
+        self.num_ranks = num_ranks
+        self.timeout = timeout
+        context = mp.get_context("spawn")
+        port = free_port()
+        self._connections = []
+        self._processes = []
+        for rank in range(num_ranks):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=_worker, args=(rank, num_ranks, port, use_gpu, child_end), daemon=True)
+            process.start()
+            self._connections.append(parent_end)
+            self._processes.append(process)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(group, *args, **kwargs)`` on every rank; returns the results by rank."""
+        for conn in self._connections:
+            conn.send((fn, args, kwargs))
+        results, failures = [], []
+        for rank, conn in enumerate(self._connections):
+            if not conn.poll(self.timeout):
+                self.close(force=True)
+                raise RankFailure(f"rank {rank} did not finish {getattr(fn, '__name__', fn)} within "
+                                  f"{self.timeout:.0f} s (hang?)")
+            status, value = conn.recv()
+            if status == "error":
+                failures.append(f"--- rank {rank} ---\n{value}")
+            results.append(value)
+        if failures:
+            raise RankFailure("\n".join(failures))
+        return results
+
+    def close(self, force: bool = False) -> None:
+        for conn, process in zip(self._connections, self._processes):
+            if not force and process.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for process in self._processes:
+            process.join(timeout=0 if force else 10)
+            if process.is_alive():
+                process.kill()
+        self._processes = []
+        self._connections = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_on_ranks(fn: Callable[..., Any], num_ranks: int, *args: Any, use_gpu: bool = False, **kwargs: Any) -> list[Any]:
+    """One-shot: start R ranks, run ``fn(group, *args, **kwargs)`` on each, stop them."""
+    with RankPool(num_ranks, use_gpu=use_gpu) as pool:
+        return pool.run(fn, *args, **kwargs)
