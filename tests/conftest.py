@@ -1,0 +1,33 @@
+"""Shared pytest set-up: GPU tests skip themselves without GPUs; hypothesis has a CI profile.
+
+Select a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``ci`` by default, ``dev`` for a
+longer local search).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# CI runs on 2 CPU cores: keep property tests modest, and no per-example deadline because a
+# multi-process test's first example also pays for process start-up and warm caches.
+settings.register_profile("ci", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # device_count() asks the driver without initialising CUDA, so this is safe in the parent
+    # of spawned rank processes.
+    num_gpus = torch.cuda.device_count()
+    if num_gpus >= 2:
+        return
+    skip = pytest.mark.skip(reason=f"marked gpu: needs >= 2 CUDA GPUs, this machine has {num_gpus}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
