@@ -18,7 +18,6 @@ from tritonep.utils import (
     inplace_unique,
     per_token_cast_back,
     per_token_cast_to_fp8,
-    unpack_ue8m0_scales,
 )
 
 
@@ -157,8 +156,11 @@ def test_fp8_cast_matches_deep_ep() -> None:
     x_fp8, scales = per_token_cast_to_fp8(x)
     ref_fp8, ref_scales = deep_ep_reference_cast(x)
     torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
-    # fp8 codes may differ by one step where the scaled value sits on a rounding boundary.
-    torch.testing.assert_close(x_fp8.float(), ref_fp8.float(), rtol=0.07, atol=0)
+    # x / scale and x * (448 / amax) may round to neighbouring e4m3 codes: one step is at most
+    # 1/8 relative (3 mantissa bits), 2**-9 among subnormals. Such ties must stay rare.
+    got, ref = x_fp8.float(), ref_fp8.float()
+    torch.testing.assert_close(got, ref, rtol=0.126, atol=2.0**-9)
+    assert (got != ref).float().mean() < 0.01
 
 
 def test_fp8_cast_back_column_major_and_empty() -> None:
@@ -175,6 +177,5 @@ def test_fp8_cast_back_ue8m0_packed_scales() -> None:
     exponents = torch.randint(100, 140, (3, 8), generator=g, dtype=torch.int32)  # 8 blocks = H 1024
     packed = exponents.to(torch.uint8).view(torch.int32)  # [3, 2]: four exponent bytes per int32
     floats = torch.pow(2.0, (exponents - 127).float())
-    assert torch.equal(unpack_ue8m0_scales(packed), floats)
     x_fp8 = torch.randn(3, 1024, generator=g).to(torch.float8_e4m3fn)
     assert torch.equal(per_token_cast_back(x_fp8, packed), per_token_cast_back(x_fp8, floats))

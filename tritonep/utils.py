@@ -31,24 +31,11 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
     ``x_scales`` is float32 [N, H/128] (any strides), or int32 [N, H/512] holding four UE8M0
     exponent bytes per element, the packing of ``low_latency_dispatch(use_ue8m0=True)``.
     """
-    if x_fp8.numel() == 0:
+    if x_fp8.numel() == 0:  # nothing to scale; also spares empty receives a shape check
         return x_fp8.to(torch.bfloat16)
-    if x_scales.dtype == torch.int32:
-        x_scales = unpack_ue8m0_scales(x_scales)
     from .fp8 import cast_back
 
     return cast_back(x_fp8, x_scales)
-
-
-def unpack_ue8m0_scales(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [..., S/4] of UE8M0 bytes -> float32 [..., S] powers of two.
-
-    A UE8M0 byte is a bare float32 exponent, so shifting it into the exponent field (bit 23)
-    rebuilds the float exactly. Byte order is little-endian: byte 0 of an int32 is channel
-    block 0, matching how DeepEP packs them.
-    """
-    exponent_bytes = packed.contiguous().view(torch.uint8).to(torch.int32)
-    return (exponent_bytes << 23).view(torch.float32)
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
