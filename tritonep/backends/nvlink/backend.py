@@ -1,0 +1,299 @@
+"""The NVLink backend: ranks of one node, Triton kernels over torch symmetric memory.
+
+Per normal-mode call the host does little: launch the send-plan/count-exchange kernel, read
+back the receive counts (the one host sync of a non-cached dispatch; none with
+``num_worst_tokens``), allocate outputs, and launch one dispatch or combine kernel. The
+kernels are in this folder, one file each. Low-latency mode runs on the collective backend
+over NCCL for now (same semantics, not yet Triton kernels).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...checks import InputError
+from ...config import Config
+from ...handles import DispatchHandle, LowLatencyHandle
+from ...routing import round_up_counts
+from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
+from .combine_kernel import combine_kernel
+from .dispatch_kernel import dispatch_kernel
+from .layout_kernel import dispatch_layout
+from .memory import MAX_CHANNELS, SymmetricBuffer
+from .notify_kernel import notify_dispatch
+from .sync import GPU_KERNELS, INTERPRET, PHASE_NAMES
+
+
+@dataclass
+class SendPlan:
+    """What a cached dispatch and the combine reuse from the dispatch that made the handle."""
+
+    token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
+    send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
+    max_send_rows: int | None       # largest number of rows any rank sends (None if not read back)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Kernel shape; environment overrides exist for the benchmark's sweeps."""
+
+    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
+    combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.5"))
+    rows: int = int(os.environ.get("TRITONEP_ROWS", "8"))
+    block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
+    warps: int = int(os.environ.get("TRITONEP_WARPS", "16"))
+    tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
+    stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
+
+
+def _split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
+    total = max(2, min(num_sms, MAX_CHANNELS))
+    senders = min(max(1, round(total * fraction)), total - 1)
+    return senders, total - senders
+
+
+def _pow2_at_most(value: int, limit: int) -> int:
+    result = 1
+    while result * 2 <= min(value, limit):
+        result *= 2
+    return max(result, 16)
+
+
+class NvlinkBackend(Backend):
+    def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
+                 low_latency_mode: bool) -> None:
+        super().__init__(group, buffer_id)
+        if num_nvl_bytes <= 0:
+            raise InputError("the NVLink backend needs num_nvl_bytes > 0 for its receive areas "
+                             "(e.g. tritonep.buffer.nvl_bytes_for(num_tokens, hidden, num_ranks))")
+        self._device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
+        self.memory = SymmetricBuffer(group, num_nvl_bytes, self._device, interpret=INTERPRET)
+        self.half_bytes = self.memory.data_bytes // 2 // 4096 * 4096
+        self.status = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self.status_host = self.status if INTERPRET else torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
+        self.notify_epoch = 0
+        self.dispatch_epoch = 0
+        self.combine_epoch = 0
+        self.tuning = Tuning()
+        self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
+        from ..collective import CollectiveBackend
+
+        # Low-latency mode: the collective implementation over this (NCCL) group.
+        self.low_latency = CollectiveBackend(group, buffer_id, 0, num_rdma_bytes, low_latency_mode)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def comm_stream(self) -> torch.cuda.Stream | None:
+        return self._stream
+
+    # ------------------------------------------------------------------ status
+    def check_status(self) -> None:
+        """Raise if a kernel of an earlier call gave up waiting on a peer."""
+        code = int(self.status_host[0])
+        if code:
+            phase, peer = divmod(code - 1, 65536)
+            raise RuntimeError(
+                f"tritonep: rank {self.rank} timed out after {self.timeout_ns / 1e9:.0f} s in phase "
+                f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or called a "
+                f"different sequence of dispatch/combine. This Buffer cannot be used any more.")
+
+    def _after_launch(self) -> None:
+        if not INTERPRET:
+            self.status_host.copy_(self.status, non_blocking=True)
+
+    # ------------------------------------------------------------------ memory regions
+    def _dispatch_regions(self, x_words: int, scale_words: int, num_topk: int) -> tuple[int, list[int]]:
+        row_bytes = 4 * x_words + 4 * scale_words + 12 * num_topk + 4
+        capacity = self.half_bytes // row_bytes // 16 * 16
+        offsets, cursor = [], self.memory.data_offset
+        for width in (4 * x_words, 4 * scale_words, 8 * num_topk, 4 * num_topk, 4):
+            offsets.append(cursor)
+            cursor += capacity * width
+        return capacity, offsets
+
+    def _combine_regions(self, hidden: int, num_topk: int) -> tuple[int, list[int]]:
+        capacity = self.half_bytes // (2 * hidden + 4 * num_topk) // 16 * 16
+        start = self.memory.data_offset + self.half_bytes
+        return capacity, [start, start + capacity * 2 * hidden]
+
+    # ------------------------------------------------------------------ normal mode
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks)
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        self.check_status()
+        x, scales = request.x, request.x_scales
+        num_tokens, hidden = x.shape
+        row_bytes = hidden * x.element_size()
+        if row_bytes % 4:
+            raise InputError(f"the NVLink backend moves rows in 4-byte words; hidden={hidden} of {x.dtype} "
+                             f"gives {row_bytes} bytes")
+        x_words, scale_words = row_bytes // 4, (0 if scales is None else scales.shape[1])
+        has_topk = request.topk_idx is not None
+        num_topk = request.topk_idx.shape[1] if has_topk else 0
+        capacity, regions = self._dispatch_regions(x_words, scale_words, num_topk)
+        handle = request.cached_handle
+        R = self.num_ranks
+        per_expert: list[int] | None = None
+        if handle is not None:
+            plan: SendPlan = handle.backend_state
+            prefix, num_out_rows = handle.rank_prefix_matrix, handle.num_recv_rows
+            if num_out_rows > capacity:
+                raise InputError(f"cached dispatch of {num_out_rows} rows does not fit the NVLink buffer "
+                                 f"({capacity} rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
+        else:
+            self.notify_epoch += 1
+            signature = torch.tensor([x_words, scale_words, num_topk, request.num_experts], dtype=torch.int32,
+                                     device=self._device)
+            token_list, send_pos, result = notify_dispatch(
+                self.memory, request.is_token_in_rank, request.num_tokens_per_expert, signature,
+                self.notify_epoch, self.status, self.timeout_ns)
+            prefix = result[: R * R].view(R, R)
+            max_send_rows = None
+            if request.num_worst_tokens > 0:
+                num_out_rows = request.num_worst_tokens
+                if num_out_rows > capacity:
+                    raise InputError(f"num_worst_tokens={num_out_rows} does not fit the NVLink buffer ({capacity} "
+                                     f"rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
+                per_expert = []
+            else:
+                self._after_launch()
+                host = result.cpu()   # the host sync: output sizes depend on peers' counts
+                self.check_status()
+                if int(host[-1]) != 0:
+                    raise InputError(f"ranks called dispatch with different arguments: {int(host[-1])} rank(s) "
+                                     "disagree on (hidden, scales, top-k, num_experts) with this rank")
+                prefix_host = host[: R * R].view(R, R)
+                received = prefix_host[R - 1]
+                sent = prefix_host.clone()
+                sent[1:] -= prefix_host[:-1]
+                max_send_rows = int(sent.sum(1).max())
+                if int(received.max()) > capacity:
+                    worst = int(received.argmax())
+                    raise InputError(f"rank {worst} would receive {int(received.max())} rows but the NVLink buffer "
+                                     f"holds {capacity} rows of {row_bytes} bytes; make the Buffer with more "
+                                     f"num_nvl_bytes")
+                num_out_rows = int(received[self.rank])
+                per_expert = round_up_counts(host[R * R: -1].tolist(), request.expert_alignment)
+            plan = SendPlan(token_list, send_pos, max_send_rows)
+        device = self._device
+        recv_x = torch.empty(num_out_rows, hidden, dtype=x.dtype, device=device)
+        recv_scales = None if scales is None else torch.empty(num_out_rows, scale_words, dtype=scales.dtype,
+                                                              device=device)
+        recv_idx = torch.empty(num_out_rows, num_topk, dtype=torch.int64, device=device) if has_topk else None
+        recv_weights = torch.empty(num_out_rows, num_topk, dtype=torch.float32, device=device) if has_topk else None
+        recv_src = torch.empty(num_out_rows, dtype=torch.int32, device=device)
+        if request.num_worst_tokens > 0:
+            recv_src.fill_(-1)
+            if has_topk:
+                recv_idx.fill_(-1)
+                recv_weights.zero_()
+        senders, receivers = _split_programs(request.config.num_sms, self.tuning.sender_fraction)
+        self.dispatch_epoch += 1
+        words = x.view(torch.int32) if x.dim() == 2 else x
+        scale_view = scales.view(torch.int32) if scales is not None else words
+        t = self.tuning
+        dispatch_kernel[(senders + receivers,)](
+            words, x_words, scale_view, max(scale_words, 1),
+            scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
+            request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
+            plan.token_list, plan.token_list.stride(0), prefix,
+            recv_x.view(torch.int32), recv_scales.view(torch.int32) if scales is not None else recv_src,
+            recv_idx if has_topk else recv_src, recv_weights if has_topk else recv_src, recv_src, num_out_rows,
+            self.memory.peer_base_ptrs, *regions, capacity,
+            self.rank, self.dispatch_epoch, max(request.num_experts // R, 1), self.status, self.timeout_ns,
+            TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
+            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
+            HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
+            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=_pow2_at_most(x_words, t.block),
+            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS, num_warps=t.warps,
+        )
+        self._after_launch()
+        if handle is None:
+            handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, hidden,
+                                    self.buffer_id, plan)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                bias: tuple[torch.Tensor | None, torch.Tensor | None], config: Config
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.check_status()
+        plan: SendPlan = handle.backend_state
+        hidden = x.shape[1]
+        num_tokens = handle.is_token_in_rank.shape[0]
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        capacity, regions = self._combine_regions(hidden, num_topk)
+        if plan.max_send_rows is not None and plan.max_send_rows > capacity:
+            raise InputError(f"combine would return {plan.max_send_rows} rows to one rank but the NVLink buffer "
+                             f"holds {capacity} rows of hidden {hidden}; make the Buffer with more num_nvl_bytes")
+        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self._device)
+        out_weights = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=self._device) \
+            if topk_weights is not None else None
+        senders, reducers = _split_programs(config.num_sms, self.tuning.combine_sender_fraction)
+        self.combine_epoch += 1
+        t = self.tuning
+        R = self.num_ranks
+        combine_kernel[(senders + reducers,)](
+            x, topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix, handle.is_token_in_rank,
+            plan.send_pos, bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x,
+            out, out_weights if out_weights is not None else out, num_tokens, hidden,
+            self.memory.peer_base_ptrs, *regions, capacity,
+            self.rank, self.combine_epoch, self.status, self.timeout_ns,
+            TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
+            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
+            NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
+            TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
+            ROWS=t.rows, BLOCK=_pow2_at_most(hidden, max(t.block // max(_pow2(R) // 2, 1), 256)),
+            TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
+            num_warps=t.warps,
+        )
+        self._after_launch()
+        return out, out_weights
+
+    # ------------------------------------------------------------------ low-latency mode (collective)
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        return self.low_latency.low_latency_dispatch(request)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
+                            out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        return self.low_latency.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook,
+                                                    out)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        return self.low_latency.get_next_low_latency_combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        self.low_latency.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None, offset: int,
+                                use_rdma_buffer: bool) -> torch.Tensor:
+        if use_rdma_buffer:
+            return self.low_latency.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
+        data = self.memory.local[self.memory.data_offset + offset:]
+        element = torch.empty((), dtype=dtype).element_size()
+        view = data[: data.numel() // element * element].view(dtype)
+        return view if size is None else view[: torch.Size(size).numel()].view(size)
+
+    def destroy(self) -> None:
+        if self._stream is not None:
+            torch.cuda.synchronize(self._device)
+        dist.barrier(group=self.group)
+        self.memory.release()
+        self.low_latency.destroy()
+
+
+def _pow2(value: int) -> int:
+    result = 1
+    while result < value:
+        result *= 2
+    return result

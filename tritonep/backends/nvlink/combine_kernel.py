@@ -1,0 +1,160 @@
+"""Normal-mode combine over NVLink: push rows home, reduce as they arrive.
+
+The reverse of dispatch. The received block from source s sits in ``x`` at the rows
+``rank_prefix_matrix`` gives; each of its rows goes back to s, into s's combine staging
+area, grouped by the rank it comes from (the order of s's own send lists, so s finds the copy
+of token t from rank r at ``offset[r] + send_pos[t, r]``).
+
+* **Sender programs** split every returning block into ``NUM_SENDERS`` channels, push the
+  rows (and top-k weights) and publish progress counters like dispatch does.
+* **Reducer programs** own a range of tokens and walk it in stages; before a stage they wait
+  until every channel holding one of the stage's rows has delivered it, then sum each
+  token's copies in float32 (our own copy is read straight from ``x``), add the biases and
+  write bf16. Stages let reduction overlap the transfer.
+
+As in dispatch, a sender waits for the destination's reducers to finish the previous call
+before overwriting its staging rows (``combine_done``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .rows import block_count, block_start, channel_range, copy_rows
+from .sync import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT, add_release, publish, wait_at_least
+
+
+@triton.jit
+def _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS: tl.constexpr):
+    """Vector over ``ranks``: rows ``source`` sent to each rank (its send-list lengths)."""
+    mask = ranks < NUM_RANKS
+    end = tl.load(prefix_ptr + source * NUM_RANKS + ranks, mask=mask, other=0)
+    begin = tl.load(prefix_ptr + (source - 1) * NUM_RANKS + ranks, mask=mask & (source > 0), other=0)
+    return end - begin
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "num_tokens", "hidden", "capacity", "timeout_ns"])
+def combine_kernel(
+    x_ptr, weights_ptr, prefix_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr,
+    out_ptr, out_weights_ptr, num_tokens, hidden,
+    peer_base_ptrs, staging_x, staging_weights, capacity,
+    rank, epoch, status_ptr, timeout_ns,
+    TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
+    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_REDUCERS: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, STAGE: tl.constexpr,
+    SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    my_base = tl.load(peer_base_ptrs + rank)
+    my_signals = my_base.to(tl.pointer_type(tl.int64))
+    stamp = epoch.to(tl.int64) << 32
+    ranks = tl.arange(0, RANKS_PAD)
+    if pid < NUM_SENDERS:
+        for step in range(0, NUM_RANKS - 1):
+            source = (rank + 1 + step) % NUM_RANKS
+            start = block_start(prefix_ptr, source, rank, NUM_RANKS)
+            lo, hi = channel_range(block_count(prefix_ptr, source, rank, NUM_RANKS), pid, NUM_SENDERS)
+            # Where our rows start in the source's staging: after rows from lower ranks.
+            offset = tl.sum(tl.where(ranks < rank, _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS), 0), axis=0)
+            peer_base = tl.load(peer_base_ptrs + source)
+            dst_x = (peer_base + staging_x).to(tl.pointer_type(tl.bfloat16))
+            dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
+            tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
+            if hi > lo:
+                wait_at_least(my_signals + DONE_WORD + source, (epoch - 1).to(tl.int64) * NUM_REDUCERS,
+                              status_ptr, timeout_ns, PHASE_COMBINE_SLOT, source, GPU)
+            tiles = 0
+            for row0 in range(lo, hi, ROWS):
+                rows = row0 + tl.arange(0, ROWS)
+                dst_rows = offset + rows
+                mask = (rows < hi) & (dst_rows < capacity)
+                copy_rows(x_ptr, start + rows, hidden, 1, dst_x, dst_rows, mask, hidden, BLOCK, False)
+                if HAS_WEIGHTS:
+                    copy_rows(weights_ptr, start + rows, NUM_TOPK, 1, dst_weights, dst_rows, mask, NUM_TOPK, 16,
+                              False)
+                tiles += 1
+                if tiles % SIGNAL_EVERY == 0:
+                    publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
+            if hi > lo:
+                publish(tail, stamp + hi - lo)
+    else:
+        reducer = pid - NUM_SENDERS
+        rank_mask = ranks < NUM_RANKS
+        sent = _rows_sent_to(prefix_ptr, rank, ranks, NUM_RANKS)
+        staging_offset = tl.cumsum(sent, axis=0) - sent          # our staging: grouped by expert rank
+        own_start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
+        row_base = tl.where(ranks == rank, own_start, staging_offset)
+        staged_x = (my_base + staging_x).to(tl.pointer_type(tl.bfloat16))
+        staged_weights = (my_base + staging_weights).to(tl.pointer_type(tl.float32))
+        per_reducer = tl.cdiv(num_tokens, NUM_REDUCERS)
+        t_lo = tl.minimum(reducer * per_reducer, num_tokens)
+        t_hi = tl.minimum(t_lo + per_reducer, num_tokens)
+        for stage0 in range(t_lo, t_hi, STAGE):
+            stage1 = tl.minimum(stage0 + STAGE, t_hi)
+            _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, stamp, status_ptr,
+                            timeout_ns, TAIL_WORD, MAX_CHANNELS, NUM_RANKS, NUM_SENDERS, GPU)
+            for t0 in range(stage0, stage1, TOKENS):
+                tokens = t0 + tl.arange(0, TOKENS)
+                token_mask = tokens < stage1
+                pair_offsets = tokens.to(tl.int64)[:, None] * NUM_RANKS + ranks[None, :]
+                pair_mask = token_mask[:, None] & rank_mask[None, :]
+                in_rank = tl.load(is_token_in_rank_ptr + pair_offsets, mask=pair_mask, other=0) != 0
+                rows = (row_base[None, :] + tl.load(send_pos_ptr + pair_offsets, mask=pair_mask, other=0)).to(tl.int64)
+                own = in_rank & (ranks == rank)[None, :]
+                staged = in_rank & (ranks != rank)[None, :] & (rows < capacity)
+                for c0 in range(0, hidden, BLOCK):
+                    cols = c0 + tl.arange(0, BLOCK)
+                    col_mask = (cols < hidden)[None, None, :]
+                    offsets = rows[:, :, None] * hidden + cols[None, None, :]
+                    values = tl.load(x_ptr + offsets, mask=own[:, :, None] & col_mask, other=0.0).to(tl.float32)
+                    values += tl.load(staged_x + offsets, mask=staged[:, :, None] & col_mask, other=0.0,
+                                      cache_modifier=".cg").to(tl.float32)
+                    total = tl.sum(values, axis=1)
+                    out_offsets = tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
+                    out_mask = token_mask[:, None] & (cols < hidden)[None, :]
+                    if HAS_BIAS0:
+                        total += tl.load(bias0_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
+                    if HAS_BIAS1:
+                        total += tl.load(bias1_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
+                    tl.store(out_ptr + out_offsets, total.to(tl.bfloat16), mask=out_mask)
+                if HAS_WEIGHTS:
+                    slots = tl.arange(0, TOPK_PAD)
+                    slot_mask = (slots < NUM_TOPK)[None, None, :]
+                    offsets = rows[:, :, None] * NUM_TOPK + slots[None, None, :]
+                    weights = tl.load(weights_ptr + offsets, mask=own[:, :, None] & slot_mask, other=0.0)
+                    weights += tl.load(staged_weights + offsets, mask=staged[:, :, None] & slot_mask, other=0.0,
+                                       cache_modifier=".cg")
+                    out_offsets = tokens.to(tl.int64)[:, None] * NUM_TOPK + slots[None, :]
+                    tl.store(out_weights_ptr + out_offsets, tl.sum(weights, axis=1),
+                             mask=token_mask[:, None] & (slots < NUM_TOPK)[None, :])
+        # Our reads of staging are done: let every expert rank reuse it in its next call.
+        for step in range(0, NUM_RANKS - 1):
+            peer = (rank + 1 + step) % NUM_RANKS
+            peer_signals = tl.load(peer_base_ptrs + peer).to(tl.pointer_type(tl.int64))
+            add_release(peer_signals + DONE_WORD + rank, 1)
+
+
+@triton.jit
+def _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, stamp, status_ptr, timeout_ns,
+                    TAIL_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr, NUM_RANKS: tl.constexpr,
+                    NUM_SENDERS: tl.constexpr, GPU: tl.constexpr):
+    """Wait until every remote row that tokens [stage0, stage1) need has arrived.
+
+    Those tokens' copies from rank r are rows [send_pos[stage0, r], send_pos[stage1, r]) of
+    r's returning block (positions are monotone in the token index), so only the channels
+    covering that range are polled, each up to the last row needed from it.
+    """
+    for step in range(0, NUM_RANKS - 1):
+        peer = (rank + 1 + step) % NUM_RANKS
+        first = tl.load(send_pos_ptr + stage0 * NUM_RANKS + peer)
+        last = tl.load(send_pos_ptr + stage1 * NUM_RANKS + peer)
+        count = block_count(prefix_ptr, rank, peer, NUM_RANKS)
+        chunk = tl.maximum(tl.cdiv(count, NUM_SENDERS), 1)
+        if last > first:
+            for channel in range(first // chunk, (last - 1) // chunk + 1):
+                needed = tl.minimum(last, (channel + 1) * chunk) - channel * chunk
+                wait_at_least(my_signals + TAIL_WORD + peer * MAX_CHANNELS + channel, stamp + needed, status_ptr,
+                              timeout_ns, PHASE_COMBINE_DATA, peer, GPU)

@@ -1,0 +1,151 @@
+"""Normal-mode dispatch over NVLink: push rows straight to their final row index.
+
+After the count exchange every rank knows ``rank_prefix_matrix``, so it knows exactly where
+each of its rows lands at each destination: block start (rows from lower ranks) plus the
+row's position in its send list. There is no ring buffer and no flow control inside a call:
+
+* **Sender programs** (the first ``NUM_SENDERS``) split each destination's send list into
+  ``NUM_SENDERS`` channels, gather the rows from ``x`` and store them into the destination's
+  staging area at their final index (rows for our own rank go straight into the output).
+  Every ``SIGNAL_EVERY`` tiles they publish the channel's progress, ``(epoch << 32) | rows``,
+  into the destination's signal area.
+* **Receiver programs** (the rest) follow those progress counters, channel by channel, and
+  copy arrived rows from staging into the output tensors, overlapping the transfer.
+
+Staging is reused by the next call, so before writing to a destination a sender waits until
+all receiver programs of that destination finished the previous call (``dispatch_done``).
+Top-k ids are turned into the destination's local expert ids on the way (-1 elsewhere,
+weight 0), so receivers copy every row field verbatim.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .rows import block_count, block_start, channel_range, copy_rows
+from .sync import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT, add_release, publish, wait_at_least
+
+
+@triton.jit
+def _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx_ptr, dst_weights_ptr, dst_rows, row_mask,
+               destination, experts_per_rank, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
+    slots = tl.arange(0, TOPK_PAD)
+    mask = row_mask[:, None] & (slots < NUM_TOPK)[None, :]
+    src = tokens.to(tl.int64)[:, None] * NUM_TOPK + slots[None, :]
+    experts = tl.load(topk_idx_ptr + src, mask=mask, other=-1)
+    weights = tl.load(topk_weights_ptr + src, mask=mask, other=0.0)
+    local = experts - destination * experts_per_rank
+    here = (experts >= 0) & (local >= 0) & (local < experts_per_rank)
+    dst = dst_rows.to(tl.int64)[:, None] * NUM_TOPK + slots[None, :]
+    tl.store(dst_idx_ptr + dst, tl.where(here, local, -1), mask=mask)
+    tl.store(dst_weights_ptr + dst, tl.where(here, weights, 0.0), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "experts_per_rank", "num_out_rows", "capacity", "timeout_ns",
+                               "x_words", "scale_words", "token_list_stride"])
+def dispatch_kernel(
+    x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride,
+    topk_idx_ptr, topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr,
+    out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows,
+    peer_base_ptrs, staging_x, staging_scales, staging_idx, staging_weights, staging_src, capacity,
+    rank, epoch, experts_per_rank, status_ptr, timeout_ns,
+    TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
+    NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr,
+    HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    my_signals = tl.load(peer_base_ptrs + rank).to(tl.pointer_type(tl.int64))
+    stamp = epoch.to(tl.int64) << 32
+    if pid < NUM_SENDERS:
+        for step in range(0, NUM_RANKS):
+            # Remote destinations first (rotated so programs spread over links), our own last.
+            destination = (rank + 1 + step) % NUM_RANKS
+            remote = destination != rank
+            start = block_start(prefix_ptr, rank, destination, NUM_RANKS)
+            lo, hi = channel_range(block_count(prefix_ptr, rank, destination, NUM_RANKS), pid, NUM_SENDERS)
+            peer_base = tl.load(peer_base_ptrs + destination)
+            if remote:
+                row_limit = capacity
+                dst_x = (peer_base + staging_x).to(tl.pointer_type(tl.int32))
+                dst_scales = (peer_base + staging_scales).to(tl.pointer_type(tl.int32))
+                dst_idx = (peer_base + staging_idx).to(tl.pointer_type(tl.int64))
+                dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
+                dst_src = (peer_base + staging_src).to(tl.pointer_type(tl.int32))
+                if hi > lo:
+                    wait_at_least(my_signals + DONE_WORD + destination, (epoch - 1).to(tl.int64) * NUM_RECEIVERS,
+                                  status_ptr, timeout_ns, PHASE_DISPATCH_SLOT, destination, GPU)
+            else:
+                row_limit = num_out_rows
+                dst_x = out_x_ptr
+                dst_scales = out_scales_ptr
+                dst_idx = out_idx_ptr
+                dst_weights = out_weights_ptr
+                dst_src = out_src_ptr
+            tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
+            tiles = 0
+            for row0 in range(lo, hi, ROWS):
+                rows = row0 + tl.arange(0, ROWS)
+                dst_rows = start + rows
+                mask = (rows < hi) & (dst_rows < row_limit)
+                tokens = tl.load(token_list_ptr + destination * token_list_stride + rows, mask=mask, other=0)
+                copy_rows(x_ptr, tokens, x_words, 1, dst_x, dst_rows, mask, x_words, BLOCK, False)
+                if HAS_SCALES:
+                    copy_rows(scales_ptr, tokens, scale_token_stride, scale_col_stride, dst_scales, dst_rows, mask,
+                              scale_words, 64, False)
+                if HAS_TOPK:
+                    _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx, dst_weights, dst_rows, mask,
+                               destination, experts_per_rank, NUM_TOPK, TOPK_PAD)
+                tl.store(dst_src + dst_rows, tokens, mask=mask)
+                tiles += 1
+                if remote & (tiles % SIGNAL_EVERY == 0):
+                    publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
+            if remote & (hi > lo):
+                publish(tail, stamp + hi - lo)
+    else:
+        receiver = pid - NUM_SENDERS
+        for channel in range(receiver, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
+            source = (rank + 1 + channel // NUM_SENDERS) % NUM_RANKS
+            sender = channel % NUM_SENDERS
+            start = block_start(prefix_ptr, source, rank, NUM_RANKS)
+            lo, hi = channel_range(block_count(prefix_ptr, source, rank, NUM_RANKS), sender, NUM_SENDERS)
+            tail = my_signals + TAIL_WORD + source * MAX_CHANNELS + sender
+            done = 0
+            while done < hi - lo:
+                arrived = wait_at_least(tail, stamp + done + 1, status_ptr, timeout_ns, PHASE_DISPATCH_DATA,
+                                        source, GPU)
+                arrived = tl.minimum(arrived - stamp, (hi - lo).to(tl.int64)).to(tl.int32)
+                for row0 in range(start + lo + done, start + lo + arrived, ROWS):
+                    rows = row0 + tl.arange(0, ROWS)
+                    mask = (rows < start + lo + arrived) & (rows < num_out_rows)
+                    _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights,
+                                            staging_src, rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr,
+                                            out_weights_ptr, out_src_ptr, x_words, scale_words,
+                                            HAS_SCALES, HAS_TOPK, NUM_TOPK, BLOCK)
+                done = arrived
+        # Our reads of staging are done: let every source reuse it in its next call.
+        for step in range(0, NUM_RANKS - 1):
+            source = (rank + 1 + step) % NUM_RANKS
+            peer_signals = tl.load(peer_base_ptrs + source).to(tl.pointer_type(tl.int64))
+            add_release(peer_signals + DONE_WORD + rank, 1)
+
+
+@triton.jit
+def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights, staging_src,
+                            rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
+                            x_words, scale_words, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                            NUM_TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    base = my_signals.to(tl.int64)
+    copy_rows((base + staging_x).to(tl.pointer_type(tl.int32)), rows, x_words, 1, out_x_ptr, rows, mask,
+              x_words, BLOCK, True)
+    if HAS_SCALES:
+        copy_rows((base + staging_scales).to(tl.pointer_type(tl.int32)), rows, scale_words, 1, out_scales_ptr,
+                  rows, mask, scale_words, 64, True)
+    if HAS_TOPK:
+        copy_rows((base + staging_idx).to(tl.pointer_type(tl.int64)), rows, NUM_TOPK, 1, out_idx_ptr, rows,
+                  mask, NUM_TOPK, 16, True)
+        copy_rows((base + staging_weights).to(tl.pointer_type(tl.float32)), rows, NUM_TOPK, 1, out_weights_ptr,
+                  rows, mask, NUM_TOPK, 16, True)
+    src = tl.load((base + staging_src).to(tl.pointer_type(tl.int32)) + rows, mask=mask, cache_modifier=".cg")
+    tl.store(out_src_ptr + rows, src, mask=mask)

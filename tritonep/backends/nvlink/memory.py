@@ -1,0 +1,129 @@
+"""The NVLink backend's shared memory: one symmetric allocation per rank, and where things live in it.
+
+Every rank allocates the same number of bytes; peers reach each other's allocation through
+the pointer table ``peer_base_ptrs`` (int64 [R], on the device). The allocation starts with
+the signal area (int64 counters that peers write with release stores, then the count-exchange
+slots), followed by the data area, split in two halves: rows received by dispatch and rows
+received by combine. Separate halves let a fast rank start its combine while a slow peer is
+still copying dispatch rows out.
+
+On GPUs the allocation comes from torch symmetric memory (CUDA backend, no multicast). Under
+``TRITON_INTERPRET=1`` (CPU tests) each rank's allocation is a shared file in /dev/shm that
+every rank maps: the same kernels then run on CPU processes, which is how CI covers them.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+MAX_CHANNELS = 160            # sender programs per launch (> SMs of an H100/H200)
+MAX_LOCAL_EXPERTS = 1024
+SIGNATURE_WORDS = 4           # (hidden words, scale words, top-k, experts) compared across ranks
+
+
+@dataclass(frozen=True)
+class SignalLayout:
+    """Offsets, in int64 words from the allocation's start, of each counter array."""
+
+    num_ranks: int
+
+    @property
+    def notify_flag(self) -> int:          # [R]: last count-exchange epoch each source finished
+        return 0
+
+    @property
+    def dispatch_tail(self) -> int:        # [R, C]: (epoch << 32) | rows written by source s, channel c
+        return self.notify_flag + self.num_ranks
+
+    @property
+    def dispatch_done(self) -> int:        # [R]: receiver programs of rank r that finished, ever
+        return self.dispatch_tail + self.num_ranks * MAX_CHANNELS
+
+    @property
+    def combine_tail(self) -> int:
+        return self.dispatch_done + self.num_ranks
+
+    @property
+    def combine_done(self) -> int:
+        return self.combine_tail + self.num_ranks * MAX_CHANNELS
+
+    @property
+    def notify_payload(self) -> int:       # int32 [2 parities, R sources, payload_words]
+        return self.combine_done + self.num_ranks
+
+    @property
+    def payload_words(self) -> int:        # int32 words: counts per rank, local-expert counts, signature
+        return self.num_ranks + MAX_LOCAL_EXPERTS + SIGNATURE_WORDS
+
+    @property
+    def signal_bytes(self) -> int:
+        payload_bytes = 2 * self.num_ranks * self.payload_words * 4
+        return _round_up(self.notify_payload * 8 + payload_bytes, 4096)
+
+
+class SymmetricBuffer:
+    """``nbytes`` of data (plus the signal area) on every rank, mapped by every peer.
+
+    Attributes:
+        local: uint8 tensor over this rank's whole allocation.
+        peer_base_ptrs: int64 [R] tensor of each rank's allocation address, as seen here.
+        data_offset: byte offset of the data area; data_bytes: its size.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, data_bytes: int, device: torch.device, interpret: bool) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.num_ranks = group.size()
+        self.signals = SignalLayout(self.num_ranks)
+        self.data_offset = self.signals.signal_bytes
+        self.data_bytes = _round_up(data_bytes, 4096)
+        total = self.data_offset + self.data_bytes
+        self._keep_alive: list = []
+        if interpret:
+            peers = self._map_shared_files(total)
+        else:
+            peers = self._rendezvous_symmetric(total, device)
+        self.peer_base_ptrs = torch.tensor(peers, dtype=torch.int64, device=device)
+        self.local[: self.data_offset].zero_()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    def _rendezvous_symmetric(self, total: int, device: torch.device) -> list[int]:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.local = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.local, self.group.group_name)
+        self._keep_alive.append(handle)
+        return [int(p) for p in handle.buffer_ptrs]
+
+    def _map_shared_files(self, total: int) -> list[int]:
+        token = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
+        paths = [f"/dev/shm/tritonep-{token[0]}-{r}" for r in range(self.num_ranks)]
+        with open(paths[self.rank], "wb") as f:
+            f.truncate(total)
+        dist.barrier(group=self.group)
+        mapped = [torch.from_file(p, shared=True, size=total, dtype=torch.uint8) for p in paths]
+        dist.barrier(group=self.group)
+        os.unlink(paths[self.rank])   # the mappings stay valid; nothing is left in /dev/shm
+        self.local = mapped[self.rank]
+        self._keep_alive.extend(mapped)
+        return [t.data_ptr() for t in mapped]
+
+    def signal_words(self) -> torch.Tensor:
+        """This rank's signal counters as int64 (for tests and debugging)."""
+        return self.local[: self.data_offset].view(torch.int64)
+
+    def release(self) -> None:
+        self._keep_alive.clear()
+        self.local = torch.empty(0, dtype=torch.uint8)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

@@ -1,0 +1,130 @@
+"""Send plan and count exchange for dispatch (DeepEP's notify_dispatch), in one program.
+
+Part 1, the send plan (local): scanning ``is_token_in_rank`` once gives, for every
+destination rank r, the list of tokens sent there in token order (``token_list[r]``) and for
+every token its position in each list (``send_pos``, an exclusive prefix count; row N holds
+the totals). The dispatch kernel gathers rows through ``token_list``; the combine kernel
+finds returned rows through ``send_pos``. A cached dispatch reuses both.
+
+Part 2, the exchange: every rank writes its per-rank counts, the counts of the experts that
+live on each peer, and a signature of the call (hidden size, scales, top-k, experts) into
+that peer's payload slot, then releases the peer's flag for this rank. After acquiring all R
+flags a rank holds the full count matrix and builds ``rank_prefix_matrix``, its per-expert
+receive counts, and the number of peers whose signature differs from its own. Slots
+alternate between two parities, so a fast rank's next exchange never overwrites a slot a
+slow peer has not read yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
+from .sync import GPU_KERNELS, PHASE_NOTIFY, publish, wait_at_least
+
+
+@triton.jit(do_not_specialize=["num_tokens", "notify_epoch", "rank", "experts_per_rank", "timeout_ns"])
+def notify_dispatch_kernel(
+    is_token_in_rank_ptr, num_tokens, num_tokens_per_expert_ptr, signature_ptr,
+    token_list_ptr, token_list_stride, send_pos_ptr, result_ptr,
+    peer_base_ptrs, rank, notify_epoch, experts_per_rank, status_ptr, timeout_ns,
+    NOTIFY_FLAG_WORD: tl.constexpr, PAYLOAD_BYTE_OFFSET: tl.constexpr, PAYLOAD_WORDS: tl.constexpr,
+    EXPERT_WORDS: tl.constexpr, SIGNATURE: tl.constexpr,
+    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    EXCHANGE: tl.constexpr, GPU: tl.constexpr,
+):
+    ranks = tl.arange(0, RANKS_PAD)
+    rank_mask = ranks < NUM_RANKS
+
+    # ---- part 1: send plan ------------------------------------------------------------
+    carry = tl.zeros([RANKS_PAD], dtype=tl.int32)
+    for t0 in range(0, num_tokens, BLOCK_T):
+        tokens = t0 + tl.arange(0, BLOCK_T)
+        mask = (tokens < num_tokens)[:, None] & rank_mask[None, :]
+        offsets = tokens[:, None].to(tl.int64) * NUM_RANKS + ranks[None, :]
+        in_rank = tl.load(is_token_in_rank_ptr + offsets, mask=mask, other=0).to(tl.int32)
+        position = carry[None, :] + tl.cumsum(in_rank, axis=0) - in_rank
+        tl.store(send_pos_ptr + offsets, position, mask=mask)
+        tl.store(token_list_ptr + ranks[None, :].to(tl.int64) * token_list_stride + position,
+                 tokens[:, None] + 0 * position, mask=mask & (in_rank != 0))
+        carry += tl.sum(in_rank, axis=0)
+    tl.store(send_pos_ptr + num_tokens.to(tl.int64) * NUM_RANKS + ranks, carry, mask=rank_mask)
+
+    if EXCHANGE:
+        # ---- part 2: write my counts into every rank's slot, then release its flag --------
+        parity = notify_epoch % 2
+        experts = tl.arange(0, EXPERTS_PAD)
+        expert_mask = experts < experts_per_rank
+        words = tl.arange(0, SIGNATURE)
+        signature = tl.load(signature_ptr + words)
+        for r in range(0, NUM_RANKS):
+            peer_base = tl.load(peer_base_ptrs + r)
+            slot = (peer_base + PAYLOAD_BYTE_OFFSET).to(tl.pointer_type(tl.int32)) \
+                + (parity * NUM_RANKS + rank) * PAYLOAD_WORDS
+            tl.store(slot + ranks, carry, mask=rank_mask)
+            peer_experts = tl.load(num_tokens_per_expert_ptr + r * experts_per_rank + experts, mask=expert_mask)
+            tl.store(slot + NUM_RANKS + experts, peer_experts, mask=expert_mask)
+            tl.store(slot + NUM_RANKS + EXPERT_WORDS + words, signature)
+            publish(peer_base.to(tl.pointer_type(tl.int64)) + NOTIFY_FLAG_WORD + rank, notify_epoch.to(tl.int64))
+
+        # ---- wait for every source, then read the full count matrix ----------------------
+        my_base = tl.load(peer_base_ptrs + rank)
+        my_flags = my_base.to(tl.pointer_type(tl.int64)) + NOTIFY_FLAG_WORD
+        for s in range(0, NUM_RANKS):
+            wait_at_least(my_flags + s, notify_epoch.to(tl.int64), status_ptr, timeout_ns, PHASE_NOTIFY, s, GPU)
+        slots = (my_base + PAYLOAD_BYTE_OFFSET).to(tl.pointer_type(tl.int32)) + parity * NUM_RANKS * PAYLOAD_WORDS
+        sources = tl.arange(0, RANKS_PAD)
+        source_mask = sources < NUM_RANKS
+        matrix_mask = source_mask[:, None] & rank_mask[None, :]
+        count_matrix = tl.load(slots + sources[:, None] * PAYLOAD_WORDS + ranks[None, :], mask=matrix_mask,
+                               other=0, cache_modifier=".cv")
+        prefix = tl.cumsum(count_matrix, axis=0)
+        tl.store(result_ptr + sources[:, None] * NUM_RANKS + ranks[None, :], prefix, mask=matrix_mask)
+        received = tl.load(slots + sources[:, None] * PAYLOAD_WORDS + NUM_RANKS + experts[None, :],
+                           mask=source_mask[:, None] & expert_mask[None, :], other=0, cache_modifier=".cv")
+        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts, tl.sum(received, axis=0), mask=expert_mask)
+        signatures = tl.load(slots + sources[:, None] * PAYLOAD_WORDS + NUM_RANKS + EXPERT_WORDS + words[None, :],
+                             mask=source_mask[:, None], other=0, cache_modifier=".cv")
+        differs = tl.max((signatures != signature[None, :]).to(tl.int32), axis=1) & source_mask.to(tl.int32)
+        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank, tl.sum(differs, axis=0))
+
+
+def notify_dispatch(
+    memory: SymmetricBuffer,
+    is_token_in_rank: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor | None,
+    signature: torch.Tensor,
+    notify_epoch: int,
+    status: torch.Tensor,
+    timeout_ns: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Returns ``(token_list [R, N] int32, send_pos [N+1, R] int32, result)``.
+
+    ``result`` (int32, None without exchange) holds ``rank_prefix_matrix`` (R*R), the
+    per-local-expert receive counts (E/R), and the number of ranks whose signature differs.
+    Without ``num_tokens_per_expert`` only the send plan is built (no communication).
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    device = is_token_in_rank.device
+    token_list = torch.empty(num_ranks, max(num_tokens, 1), dtype=torch.int32, device=device)
+    send_pos = torch.empty(num_tokens + 1, num_ranks, dtype=torch.int32, device=device)
+    exchange = num_tokens_per_expert is not None
+    experts_per_rank = num_tokens_per_expert.shape[0] // num_ranks if exchange else 0
+    if experts_per_rank > MAX_LOCAL_EXPERTS:
+        raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank are supported, got {experts_per_rank}")
+    result = torch.empty(num_ranks * num_ranks + experts_per_rank + 1, dtype=torch.int32, device=device) \
+        if exchange else None
+    layout = memory.signals
+    notify_dispatch_kernel[(1,)](
+        is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, signature,
+        token_list, token_list.stride(0), send_pos, result if exchange else send_pos,
+        memory.peer_base_ptrs, memory.rank, notify_epoch, max(experts_per_rank, 1), status, timeout_ns,
+        NOTIFY_FLAG_WORD=layout.notify_flag, PAYLOAD_BYTE_OFFSET=layout.notify_payload * 8,
+        PAYLOAD_WORDS=layout.payload_words, EXPERT_WORDS=MAX_LOCAL_EXPERTS, SIGNATURE=SIGNATURE_WORDS,
+        NUM_RANKS=num_ranks, RANKS_PAD=triton.next_power_of_2(num_ranks),
+        EXPERTS_PAD=triton.next_power_of_2(max(experts_per_rank, 1)), BLOCK_T=256, EXCHANGE=exchange,
+        GPU=GPU_KERNELS, num_warps=4,
+    )
+    return token_list, send_pos, result

@@ -1,0 +1,102 @@
+"""Device-side signalling shared by the NVLink kernels.
+
+Every cross-GPU handshake in this backend is one of two moves:
+
+* a **release store** of a counter into a peer's signal area, issued after the data it
+  covers (``publish``); the CTA barrier before it makes sure every thread's stores are in
+  flight before the single release, because Triton puts no barrier around atomics;
+* a **bounded acquire wait** on a counter in our own signal area (``wait_at_least``): it
+  spins until the counter reaches a target or a timeout expires. On timeout it records
+  ``(phase, peer)`` in the status word and gives up, so the host raises a Python error
+  naming the stalled rank and phase instead of hanging forever.
+
+Counters only grow (they carry the call's epoch), so nothing ever has to be reset between
+calls. ``GPU`` is False under ``TRITON_INTERPRET=1``, where the inline PTX is replaced by the
+interpreter's atomics and the timeout counts spins instead of nanoseconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+GPU_KERNELS = not INTERPRET
+
+# Phases reported in the status word when a wait times out.
+PHASE_NOTIFY = 1
+PHASE_DISPATCH_SLOT = 2     # sender waiting for the receiver to free its staging rows
+PHASE_DISPATCH_DATA = 3     # receiver waiting for rows from a sender
+PHASE_COMBINE_SLOT = 4
+PHASE_COMBINE_DATA = 5
+PHASE_NAMES = {
+    PHASE_NOTIFY: "count exchange (notify)",
+    PHASE_DISPATCH_SLOT: "dispatch: waiting for the peer to release its receive area",
+    PHASE_DISPATCH_DATA: "dispatch: waiting for rows from the peer",
+    PHASE_COMBINE_SLOT: "combine: waiting for the peer to release its receive area",
+    PHASE_COMBINE_DATA: "combine: waiting for rows from the peer",
+}
+# Spins that stand in for the timeout in the interpreter (each spin is a Python call).
+INTERPRETER_MAX_SPINS = 2_000_000
+
+
+@triton.jit
+def load_acquire(pointer, GPU: tl.constexpr):
+    """64-bit load with acquire semantics at system scope (visible across GPUs)."""
+    if GPU:
+        return tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [pointer], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        return tl.atomic_add(pointer, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def now_ns(GPU: tl.constexpr):
+    if GPU:
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        return tl.zeros((), dtype=tl.int64)
+
+
+@triton.jit
+def publish(pointer, value):
+    """Make this program's earlier stores visible, then store ``value`` with release semantics."""
+    tl.debug_barrier()
+    tl.atomic_xchg(pointer, value, sem="release", scope="sys")
+
+
+@triton.jit
+def add_release(pointer, value):
+    tl.debug_barrier()
+    tl.atomic_add(pointer, value, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.constexpr):
+    """Spin until ``*pointer >= target``; returns the value seen.
+
+    On timeout, writes ``phase * 65536 + peer + 1`` to ``status_ptr`` and returns a value
+    above any real counter (``TIMED_OUT``), so callers stop waiting and finish quickly; the
+    host then raises instead of handing out the result.
+    """
+    value = load_acquire(pointer, GPU)
+    start = now_ns(GPU)
+    spins = 0
+    expired = tl.zeros((), dtype=tl.int1)
+    while (value < target) & (not expired):
+        value = load_acquire(pointer, GPU)
+        spins += 1
+        if GPU:
+            expired = (now_ns(GPU) - start) > timeout_ns
+        else:
+            expired = spins > 2_000_000  # INTERPRETER_MAX_SPINS
+    if expired:
+        tl.store(status_ptr, (phase * 65536 + peer + 1).to(tl.int64))
+        value = target + (1 << 56)
+    tl.debug_barrier()
+    return value
