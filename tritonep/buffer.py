@@ -36,6 +36,19 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     return _round_up(2 * per_set, 1 << 20)
 
 
+def nvl_bytes_for(num_tokens: int, hidden: int, num_ranks: int, num_topk: int = 8) -> int:
+    """``num_nvl_bytes`` that lets every rank receive ``num_tokens`` rows from every rank.
+
+    The NVLink backend stages each received row at its final index (no ring buffer), in two
+    halves: dispatch rows (bf16 or fp8 with scales, top-k ids and weights, source index) and
+    combine rows (bf16 with top-k weights).
+    """
+    rows = num_tokens * num_ranks
+    dispatch_row = hidden * 2 + (hidden // 128) * 4 + 12 * num_topk + 4
+    combine_row = hidden * 2 + 4 * num_topk
+    return _round_up(2 * rows * max(dispatch_row, combine_row) + (1 << 20), 1 << 20)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
@@ -420,7 +433,7 @@ class Buffer:
         require(self.low_latency_mode, "low_latency_combine needs a Buffer made with low_latency_mode=True")
         require(isinstance(handle, LowLatencyHandle), f"handle must come from low_latency_dispatch, got "
                 f"{type(handle).__name__}")
-        self._check_handle(handle)
+        self._check_handle(handle, LowLatencyHandle)
         require(not (async_finish and return_recv_hook), "async_finish and return_recv_hook cannot both be set")
         _, _, T, hidden, num_experts = handle
         R = self.group_size
@@ -444,7 +457,7 @@ class Buffer:
         """A writable bf16 [E/R, R*T, H] view that ``low_latency_combine(zero_copy=True)`` sends from."""
         self._check_alive()
         require(self.low_latency_mode, "get_next_low_latency_combine_buffer needs low_latency_mode=True")
-        self._check_handle(handle)
+        self._check_handle(handle, LowLatencyHandle)
         return self.backend.get_next_low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -458,9 +471,11 @@ class Buffer:
     def _check_alive(self) -> None:
         require(not self._destroyed, "this Buffer was destroyed")
 
-    def _check_handle(self, handle: object) -> None:
-        require(isinstance(handle, (DispatchHandle, LowLatencyHandle)),
-                f"handle must come from this Buffer's dispatch, got {type(handle).__name__}")
+    def _check_handle(self, handle: object, kind: type = DispatchHandle) -> None:
+        """``kind``: DispatchHandle for dispatch/combine, LowLatencyHandle for the low-latency calls."""
+        source = "low_latency_dispatch" if kind is LowLatencyHandle else "dispatch"
+        require(isinstance(handle, kind),
+                f"handle must come from this Buffer's {source}, got {type(handle).__name__}")
         require(handle.buffer_id == self.buffer_id,  # type: ignore[union-attr]
                 "this handle was made by another Buffer; pass it only to the Buffer that dispatched")
 

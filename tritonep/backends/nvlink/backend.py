@@ -109,6 +109,11 @@ class NvlinkBackend(Backend):
         if not INTERPRET:
             self.status_host.copy_(self.status, non_blocking=True)
 
+    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        """A one-element tensor passed for an absent output: the kernel's branches that store
+        to staging or to the output must see pointers of the same element type."""
+        return torch.empty(1, dtype=dtype, device=self._device)
+
     # ------------------------------------------------------------------ memory regions
     def _dispatch_regions(self, x_words: int, scale_words: int, num_topk: int) -> tuple[int, list[int]]:
         row_bytes = 4 * x_words + 4 * scale_words + 12 * num_topk + 4
@@ -208,7 +213,8 @@ class NvlinkBackend(Backend):
             request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
             plan.token_list, plan.token_list.stride(0), prefix,
             recv_x.view(torch.int32), recv_scales.view(torch.int32) if scales is not None else recv_src,
-            recv_idx if has_topk else recv_src, recv_weights if has_topk else recv_src, recv_src, num_out_rows,
+            recv_idx if has_topk else self._placeholder(torch.int64),
+            recv_weights if has_topk else self._placeholder(torch.float32), recv_src, num_out_rows,
             self.memory.peer_base_ptrs, *regions, capacity,
             self.rank, self.dispatch_epoch, max(request.num_experts // R, 1), self.status, self.timeout_ns,
             TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,

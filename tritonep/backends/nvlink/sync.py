@@ -88,7 +88,7 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
     start = now_ns(GPU)
     spins = 0
     expired = tl.zeros((), dtype=tl.int1)
-    while (value < target) & (not expired):
+    while (value < target) & (expired == 0):
         value = load_acquire(pointer, GPU)
         spins += 1
         if GPU:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
+# Logs and JSON go to $OUT (the device tool brings that folder back).
+#   bash scripts/gpu_check.sh [quick|full]      quick: a subset of the GPU tests
+set -uo pipefail
+MODE=${1:-full}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+# Never enable NVLink multicast on the shared machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi topo -m
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git log -1 --oneline 2>/dev/null || true
+} > "$OUT/system.txt" 2>&1
+cat "$OUT/system.txt"
+
+if [ "$MODE" = quick ]; then
+  selection=(-k "variants or 7168 or race")
+else
+  selection=()
+fi
+echo "== GPU tests ($MODE)"
+timeout 420 python3 -m pytest -q -x -m gpu tests/test_nvlink.py "${selection[@]}" -p no:cacheprovider \
+  2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== benchmark"
+timeout 300 python3 -m tritonep.bench --sweep --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -40
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== demo on GPUs"
+timeout 120 python3 -m tritonep.demo 2>&1 | tee "$OUT/demo.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+exit $status

@@ -1,0 +1,130 @@
+"""One dispatch/combine case run twice, NVLink backend vs CPU backend, compared.
+
+Run on every rank of a RankPool. The NVLink side runs on the pool's own group: NCCL with one
+GPU per rank, or gloo with CPU tensors under ``TRITON_INTERPRET=1`` (the same kernels in
+Triton's interpreter). The oracle is always the CPU backend on a gloo group over CPU copies
+of the same inputs. Dispatch must match bit for bit (rows, scales, ids, weights, counts,
+prefix matrix); combine within float32-accumulation rounding.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import tritonep as deep_ep
+from tritonep import utils
+
+_state: dict = {}
+
+
+@dataclass
+class Case:
+    seed: int
+    tokens: tuple[int, ...]        # tokens per rank
+    hidden: int
+    num_experts: int
+    num_topk: int
+    fp8: bool = False
+    num_worst_tokens: int = 0
+    expert_alignment: int = 1
+    bias: bool = False
+    routing: str = "random"        # random | skewed | one_rank | none
+    num_sms: int = 8
+
+
+def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
+    """Build (once per pool) the NVLink buffer and a CPU-backend buffer on a gloo group."""
+    if "nvlink" not in _state or _state["nvl_bytes"] < nvl_bytes:
+        os.environ["TRITONEP_BACKEND"] = "nvlink"
+        _state["nvlink"] = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes)
+        _state["nvl_bytes"] = nvl_bytes
+        if "cpu" not in _state:
+            gloo = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
+            os.environ["TRITONEP_BACKEND"] = "collective"
+            _state["cpu"] = deep_ep.Buffer(gloo)
+        os.environ.pop("TRITONEP_BACKEND")
+    return _state["nvlink"], _state["cpu"]
+
+
+def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
+    generator = torch.Generator().manual_seed(case.seed * 1000 + rank)
+    n, k, e = case.tokens[rank], case.num_topk, case.num_experts
+    x = torch.randn(n, case.hidden, generator=generator).to(torch.bfloat16)
+    scores = torch.rand(n, e, generator=generator)
+    if case.routing == "skewed":
+        scores[:, : max(1, e // 8)] += 2.0          # most tokens prefer the first rank's experts
+    elif case.routing == "one_rank":
+        scores[:, e // num_ranks:] = -1.0           # every expert choice lands on rank 0
+    topk_idx = scores.topk(k, dim=1).indices
+    if case.routing == "none":
+        topk_idx.fill_(-1)
+    else:
+        topk_idx[torch.rand(n, k, generator=generator) < 0.1] = -1
+    inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": torch.rand(n, k, generator=generator)}
+    if case.bias:
+        inputs["bias"] = torch.randn(n, case.hidden, generator=generator).to(torch.bfloat16)
+    return inputs
+
+
+def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device) -> dict:
+    x = inputs["x"].to(device)
+    topk_idx, topk_weights = inputs["topk_idx"].to(device), inputs["topk_weights"].to(device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
+    dispatch_x = utils.per_token_cast_to_fp8(x) if case.fp8 else x
+    config = deep_ep.Config(case.num_sms)
+    recv_x, recv_idx, recv_weights, per_expert_list, handle, _ = buffer.dispatch(
+        dispatch_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=case.expert_alignment,
+        num_worst_tokens=case.num_worst_tokens, config=config)
+    cached_x, *_ = buffer.dispatch(dispatch_x, handle=handle, config=config)
+    rows = recv_x[0] if case.fp8 else recv_x
+    expert_out = (rows.float() if not case.fp8 else utils.per_token_cast_back(*recv_x).float()) * 0.5
+    bias = inputs["bias"].to(device) if case.bias else None
+    combined, combined_weights, _ = buffer.combine(expert_out.to(torch.bfloat16), handle, topk_weights=recv_weights,
+                                                   bias=bias, config=config)
+    real = int(handle.rank_prefix_matrix[-1, buffer.rank])
+    result = {
+        "layout": (per_rank, per_expert, in_rank),
+        "recv_x": [t[:real] for t in recv_x] if case.fp8 else recv_x[:real],
+        "cached_x": [t[:real] for t in cached_x] if case.fp8 else cached_x[:real],
+        "recv_idx": recv_idx, "recv_weights": recv_weights, "per_expert": per_expert_list,
+        "prefix": handle.rank_prefix_matrix, "combined": combined, "combined_weights": combined_weights,
+    }
+    return _to_cpu(result)
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _mismatches(name: str, got, expected) -> list[str]:
+    if isinstance(expected, torch.Tensor):
+        if name in ("combined", "combined_weights"):
+            ok = got.shape == expected.shape and torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+        else:
+            ok = got.shape == expected.shape and torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1
+                                                             else got, expected.view(torch.uint8)
+                                                             if expected.dtype.itemsize == 1 else expected)
+        return [] if ok else [f"{name}: got {tuple(got.shape)} expected {tuple(expected.shape)}"]
+    if isinstance(expected, (list, tuple)) and expected and isinstance(expected[0], torch.Tensor):
+        return [m for i, (g, e) in enumerate(zip(got, expected)) for m in _mismatches(f"{name}[{i}]", g, e)]
+    return [] if got == expected else [f"{name}: got {got} expected {expected}"]
+
+
+def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24) -> list[str]:
+    """Returns the list of mismatches on this rank (empty when the backends agree)."""
+    nvlink, cpu = _buffers(group, nvl_bytes)
+    inputs = make_inputs(case, group.rank(), group.size())
+    got = _run(nvlink, case, inputs, nvlink.device)
+    expected = _run(cpu, case, inputs, torch.device("cpu"))
+    return [m for key in expected for m in _mismatches(key, got[key], expected[key])]

@@ -1,0 +1,114 @@
+"""NVLink backend == CPU backend, on the same inputs.
+
+Two ways to run the same kernels:
+* ``interpreter`` (CI, CPU only): Triton's interpreter on CPU ranks whose "symmetric memory"
+  is a shared /dev/shm file per rank. Small sizes; covers the kernels' indexing and the
+  signalling protocol (flags written by one process, waited on by another).
+* ``gpu`` (marked ``gpu``; run on the device machine by scripts/gpu_check.sh): 2 GPUs over
+  NVLink, the sizes and the 100+-case race loop the issue asks for.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from nvlink_cases import Case, compare_case
+
+from tritonep.launch import RankPool
+
+
+@pytest.fixture(scope="module")
+def interpreter_pools():
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"   # inherited by the spawned ranks
+    pools = {}
+    try:
+        def get(num_ranks: int) -> RankPool:
+            if num_ranks not in pools:
+                pools[num_ranks] = RankPool(num_ranks, timeout=900)
+            return pools[num_ranks]
+        yield get
+    finally:
+        for pool in pools.values():
+            pool.close()
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22) -> None:
+    failures = pool.run(compare_case, case, nvl_bytes)
+    assert all(not f for f in failures), f"{case}: {failures}"
+
+
+INTERPRETER_CASES = [
+    Case(seed=1, tokens=(37, 20), hidden=256, num_experts=16, num_topk=3),
+    Case(seed=2, tokens=(0, 9), hidden=128, num_experts=8, num_topk=2, routing="skewed"),
+    Case(seed=3, tokens=(16, 16), hidden=256, num_experts=8, num_topk=4, fp8=True, bias=True),
+    Case(seed=4, tokens=(12, 30), hidden=128, num_experts=16, num_topk=2, num_worst_tokens=64, expert_alignment=4),
+    Case(seed=5, tokens=(25, 3), hidden=128, num_experts=4, num_topk=1, routing="one_rank", num_sms=2),
+    Case(seed=6, tokens=(8, 8), hidden=128, num_experts=8, num_topk=2, routing="none"),
+    Case(seed=7, tokens=(21, 13, 0), hidden=128, num_experts=6, num_topk=2, bias=True),
+    Case(seed=8, tokens=(10, 31, 7), hidden=256, num_experts=12, num_topk=3, fp8=True, num_sms=6),
+]
+
+
+@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: f"seed{c.seed}-R{len(c.tokens)}")
+def test_interpreter_matches_cpu_backend(interpreter_pools, case: Case) -> None:
+    _check(interpreter_pools(len(case.tokens)), case)
+
+
+def test_interpreter_repeated_calls_reuse_staging(interpreter_pools) -> None:
+    """Several calls back to back: epochs and done-counters must let each call reuse staging."""
+    pool = interpreter_pools(2)
+    for seed in range(20, 24):
+        _check(pool, Case(seed=seed, tokens=(17, 23), hidden=128, num_experts=8, num_topk=2, num_sms=4))
+
+
+# ------------------------------------------------------------------------------- GPU
+@pytest.fixture(scope="module")
+def gpu_pool():
+    pool = RankPool(2, use_gpu=True, timeout=600)
+    yield pool
+    pool.close()
+
+
+GPU_SIZES = [0, 1, 127, 4096, 8192]
+GPU_HIDDEN = [2048, 4096, 7168]
+GPU_VARIANTS = ["fp8", "worst", "bias", "skewed", "one_rank", "none", "align"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", GPU_SIZES)
+@pytest.mark.parametrize("hidden", GPU_HIDDEN)
+def test_gpu_matches_cpu_backend(gpu_pool, tokens: int, hidden: int) -> None:
+    case = Case(seed=tokens + hidden, tokens=(tokens, max(tokens - 3, 0)), hidden=hidden, num_experts=256,
+                num_topk=8, num_sms=24)
+    _check(gpu_pool, case, nvl_bytes=1 << 30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+def test_gpu_variants(gpu_pool, variant: str) -> None:
+    case = Case(seed=GPU_VARIANTS.index(variant), tokens=(1000, 777), hidden=4096, num_experts=64, num_topk=6, num_sms=16,
+                fp8=variant == "fp8", num_worst_tokens=4096 if variant == "worst" else 0, bias=variant == "bias",
+                routing=variant if variant in ("skewed", "one_rank", "none") else "random",
+                expert_alignment=128 if variant == "align" else 1)
+    _check(gpu_pool, case, nvl_bytes=1 << 30)
+
+
+@pytest.mark.gpu
+def test_gpu_race_loop(gpu_pool) -> None:
+    """120 random cases back to back (random sizes, hidden, routing, SM counts) to shake out races."""
+    rng = random.Random(0)
+    for i in range(120):
+        case = Case(seed=10_000 + i, tokens=(rng.choice([0, 1, 5, 300, 2000]), rng.choice([1, 64, 1500])),
+                    hidden=rng.choice([2048, 4096, 7168]), num_experts=rng.choice([16, 64, 256]),
+                    num_topk=rng.choice([1, 4, 8]), fp8=rng.random() < 0.3, bias=rng.random() < 0.3,
+                    routing=rng.choice(["random", "random", "skewed", "one_rank"]),
+                    num_sms=rng.choice([2, 8, 24, 64]))
+        _check(gpu_pool, case, nvl_bytes=1 << 30)
+

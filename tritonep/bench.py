@@ -1,0 +1,277 @@
+"""Benchmark: tritonep's dispatch/combine against what users would do without it.
+
+    python -m tritonep.bench [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
+                             [--num-sms 24] [--out DIR] [--sweep]
+
+On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing:
+* tritonep (NVLink backend): layout, dispatch with its count exchange, cached dispatch in bf16
+  and fp8, and combine, at ``--num-sms`` programs;
+* the all_to_all_single path: tritonep's collective backend on NCCL (layout in torch, count
+  exchange, permute, ``all_to_all_single``, un-permute), and the bare ``all_to_all_single``
+  of the already-permuted rows;
+* the link ceiling: the copy engine pushing the same remote bytes into a peer's symmetric
+  memory while every GPU does the same;
+* with ``--sweep``, a curve over num_sms and a few kernel shapes.
+
+Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
+the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). Times are medians of CUDA-event
+timings taken after aligning the GPUs with a small all-reduce. Without GPUs it runs the CPU
+backend on gloo ranks at a small size so the command works everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import tritonep as deep_ep
+from tritonep import utils
+from tritonep.launch import RankPool
+
+
+def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median microseconds of ``fn`` over ``iters`` calls, all ranks starting together."""
+    gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
+    align = torch.zeros(1, device="cuda" if gpu else "cpu")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.all_reduce(align, group=group)
+        if gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            times.append((start, end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    if gpu:
+        torch.cuda.synchronize()
+        values = [s.elapsed_time(e) * 1e3 for s, e in times]
+    else:
+        values = [t * 1e6 for t in times]
+    # Every rank reports the slowest rank's median: a collective call is as slow as its slowest rank.
+    median = torch.tensor([statistics.median(values)], dtype=torch.float64, device=align.device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+    return float(median)
+
+
+def _make_routing(args: argparse.Namespace, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1234 + rank)
+    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
+    scores = torch.randn(args.tokens, args.experts, device=device).abs() + 1
+    topk_idx = scores.topk(args.topk, dim=-1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, device=device)
+    return x, topk_idx, topk_weights
+
+
+def _buffer(group: dist.ProcessGroup, backend: str, nvl_bytes: int) -> deep_ep.Buffer:
+    os.environ["TRITONEP_BACKEND"] = backend
+    try:
+        return deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes)
+    finally:
+        os.environ.pop("TRITONEP_BACKEND")
+
+
+def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int, fp8: bool = True) -> dict:
+    """Times of one backend's calls and the received bytes they move."""
+    config = deep_ep.Config(num_sms)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                                            config=config, **layout)
+    recv_bytes = recv_x.numel() * 2
+    x_fp8 = utils.per_token_cast_to_fp8(x)
+    iters = args.iters
+    result = {
+        "recv_rows": recv_x.shape[0],
+        "layout_us": _median_us(group, lambda: buffer.get_dispatch_layout(topk_idx, args.experts), iters),
+        "dispatch_us": _median_us(group, lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                                                 config=config, **layout), iters),
+        "cached_dispatch_us": _median_us(group, lambda: buffer.dispatch(x, handle=handle, config=config), iters),
+        "combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=config), iters),
+    }
+    if fp8:
+        result["cached_dispatch_fp8_us"] = _median_us(group, lambda: buffer.dispatch(x_fp8, handle=handle,
+                                                                                     config=config), iters)
+    recv = torch.tensor([recv_bytes], dtype=torch.float64, device=x.device)
+    dist.all_reduce(recv, op=dist.ReduceOp.MIN, group=group)
+    result["recv_bytes"] = float(recv)
+    return result
+
+
+def _bare_all_to_all_us(group, args, x, in_rank) -> float:
+    """all_to_all_single of rows already grouped by destination (the transfer alone)."""
+    counts = in_rank.sum(0).tolist()
+    send = x[in_rank.t().nonzero()[:, 1]]
+    recv_counts = torch.tensor(counts, device=x.device)
+    all_counts = torch.empty_like(recv_counts)
+    dist.all_to_all_single(all_counts, recv_counts, group=group)
+    recv = torch.empty(int(all_counts.sum()), x.shape[1], dtype=x.dtype, device=x.device)
+    return _median_us(group, lambda: dist.all_to_all_single(recv, send, all_counts.tolist(), counts, group=group),
+                      args.iters)
+
+
+def _copy_engine_ceiling(group, remote_bytes: int) -> float:
+    """GB/s of the copy engine pushing ``remote_bytes`` into peers' symmetric memory, all GPUs at once."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    rank, num_ranks = group.rank(), group.size()
+    per_peer = max(remote_bytes // max(num_ranks - 1, 1) // 16 * 16, 16)
+    buffer = symm_mem.empty(per_peer * num_ranks, dtype=torch.uint8, device="cuda")
+    handle = symm_mem.rendezvous(buffer, group.group_name)
+    source = torch.randint(0, 255, (per_peer,), dtype=torch.uint8, device="cuda")
+    views = [handle.get_buffer(peer, (per_peer,), torch.uint8, storage_offset=rank * per_peer)
+             for peer in range(num_ranks) if peer != rank]
+
+    def push() -> None:
+        for view in views:
+            view.copy_(source, non_blocking=True)
+    us = _median_us(group, push, 20)
+    return per_peer * len(views) / us / 1e3
+
+
+def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
+    rank, num_ranks = group.rank(), group.size()
+    gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    x, topk_idx, topk_weights = _make_routing(args, rank, device)
+    nvl_bytes = 2 * (args.tokens * num_ranks * (args.hidden * 2 + 256)) + (64 << 20)
+    report: dict = {"ranks": num_ranks, "tokens": args.tokens, "hidden": args.hidden, "experts": args.experts,
+                    "topk": args.topk, "num_sms": args.num_sms, "device": torch.cuda.get_device_name() if gpu
+                    else "cpu", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    collective = _buffer(group, "collective", 0)
+    report["all_to_all_path"] = _measure_buffer(group, collective, args, x, topk_idx, topk_weights, args.num_sms,
+                                                fp8=False)
+    _, _, _, in_rank, _ = collective.get_dispatch_layout(topk_idx, args.experts)
+    report["bare_all_to_all_us"] = _bare_all_to_all_us(group, args, x, in_rank)
+    if gpu:
+        ours = _buffer(group, "nvlink", nvl_bytes)
+        report["tritonep"] = _measure_buffer(group, ours, args, x, topk_idx, topk_weights, args.num_sms)
+        remote_rows = int(in_rank.sum()) - int(in_rank[:, rank].sum())
+        report["remote_bytes"] = remote_rows * args.hidden * 2
+        report["copy_engine_ceiling_gbps"] = _copy_engine_ceiling(group, report["remote_bytes"])
+        if args.sweep:
+            report["num_sms_curve"] = {
+                n: _measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False)
+                for n in (8, 16, 24, 32, 48, 64, 96, 132)}
+            report["shape_sweep"] = _shape_sweep(group, ours, args, x, topk_idx, topk_weights)
+    return report
+
+
+def _shape_sweep(group, buffer, args, x, topk_idx, topk_weights) -> list[dict]:
+    """A few kernel shapes (rows per tile, warps, sender share) at --num-sms."""
+    from tritonep.backends.nvlink.backend import Tuning
+
+    results = []
+    default = buffer.backend.tuning
+    for rows, warps, share in ((4, 8, 0.5), (8, 16, 0.5), (16, 16, 0.5), (8, 16, 0.375), (8, 16, 0.625),
+                               (8, 32, 0.5)):
+        buffer.backend.tuning = Tuning(sender_fraction=share, combine_sender_fraction=share, rows=rows, warps=warps)
+        measured = _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False)
+        results.append({"rows": rows, "warps": warps, "sender_fraction": share, **measured})
+    buffer.backend.tuning = default
+    return results
+
+
+def _gbps(num_bytes: float, us: float) -> float:
+    return num_bytes / us / 1e3 if us > 0 else float("nan")
+
+
+def print_table(report: dict) -> None:
+    fp8_factor = (1 + 4 / 128) / 2
+    print(f"\n{report['ranks']} ranks on {report['device']}, {report['tokens']} tokens/rank, hidden {report['hidden']}, "
+          f"top-{report['topk']} of {report['experts']} experts, num_sms={report['num_sms']}")
+    print(f"{'path':<40}{'time (us)':>12}{'GB/s':>10}")
+    rows = []
+    for name, key in (("tritonep", "tritonep"), ("all_to_all_single path", "all_to_all_path")):
+        if key not in report:
+            continue
+        m = report[key]
+        rows += [(f"{name}: layout", m["layout_us"], None),
+                 (f"{name}: dispatch (with counts)", m["dispatch_us"], m["recv_bytes"]),
+                 (f"{name}: cached dispatch bf16", m["cached_dispatch_us"], m["recv_bytes"]),
+                 (f"{name}: combine", m["combine_us"], m["recv_bytes"])]
+        if "cached_dispatch_fp8_us" in m:
+            rows.append((f"{name}: cached dispatch fp8", m["cached_dispatch_fp8_us"], m["recv_bytes"] * fp8_factor))
+    any_path = report.get("tritonep", report["all_to_all_path"])
+    rows.append(("bare all_to_all_single (rows only)", report["bare_all_to_all_us"], any_path["recv_bytes"]))
+    for name, us, num_bytes in rows:
+        print(f"{name:<40}{us:>12.1f}{_gbps(num_bytes, us) if num_bytes else float('nan'):>10.1f}")
+    if "copy_engine_ceiling_gbps" in report:
+        print(f"{'link ceiling (copy engine push)':<40}{'':>12}{report['copy_engine_ceiling_gbps']:>10.1f}")
+        print(f"(remote bytes per rank: {report['remote_bytes'] / 1e6:.1f} MB; NVL GB/s counts own rows too)")
+    for n, m in report.get("num_sms_curve", {}).items():
+        print(f"num_sms={n:<4} cached dispatch {_gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  "
+              f"combine {_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s")
+    for m in report.get("shape_sweep", []):
+        print(f"rows={m['rows']:<3} warps={m['warps']:<3} senders={m['sender_fraction']:<6} cached dispatch "
+              f"{_gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  combine "
+              f"{_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    gpus = torch.cuda.device_count()
+    parser.add_argument("--ranks", type=int, default=gpus if gpus >= 2 else 4)
+    parser.add_argument("--tokens", type=int, default=4096 if gpus >= 2 else 256)
+    parser.add_argument("--hidden", type=int, default=7168 if gpus >= 2 else 512)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args(argv)
+    use_gpu = gpus >= 2 and not args.cpu
+    with RankPool(args.ranks if not use_gpu else min(args.ranks, gpus), use_gpu=use_gpu, timeout=1200) as pool:
+        report = pool.run(run_rank, args)[0]
+    print_table(report)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    _plot(report, os.path.join(args.out, "bench.png"))
+
+
+def _plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    curve = report.get("num_sms_curve")
+    if not curve:
+        return
+    sms = sorted(curve, key=int)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("cached_dispatch_us", "cached dispatch bf16"), ("combine_us", "combine")):
+        ax.plot([int(n) for n in sms], [_gbps(curve[n]["recv_bytes"], curve[n][key]) for n in sms], "o-", label=label)
+    if "copy_engine_ceiling_gbps" in report:
+        ax.axhline(report["copy_engine_ceiling_gbps"], color="gray", ls="--", label="copy-engine link ceiling")
+    ax.set_xlabel("num_sms (programs per launch)")
+    ax.set_ylabel("NVL GB/s (DeepEP metric)")
+    ax.set_title(f"tritonep on {report['ranks']}x {report['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
