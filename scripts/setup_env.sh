@@ -27,7 +27,7 @@ then
     "$PY" -m pip --version >/dev/null 2>&1 || "$PY" -m ensurepip -q
 fi
 
-_pip() { "$PY" -m pip install -q --progress-bar off "$@"; }
+_pip() { PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --progress-bar off "$@"; }
 _missing() {  # prints the requirements whose module does not import; args: module=requirement ...
     for pair in "$@"; do
         "$PY" -c "import ${pair%%=*}" >/dev/null 2>&1 || printf '%s\n' "${pair#*=}"
@@ -54,6 +54,12 @@ _here=$(pwd -P)
 _installed=$(cd / && "$PY" -c 'import os, tritonep; print(os.path.dirname(os.path.dirname(os.path.realpath(tritonep.__file__))))' 2>/dev/null || true)
 if [ "$_installed" != "$_here" ]; then
     echo "setup_env: pip install -e $_here" >&2
-    _pip --no-deps -e .
+    # With setuptools >= 61 already here, build without isolation: no download, so this also
+    # works on machines without network (the GPU machines).
+    _isolation=--no-build-isolation
+    "$PY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 61)' \
+        >/dev/null 2>&1 || _isolation=
+    # Not fatal: run from the repository root, tritonep imports without being installed.
+    _pip --no-deps $_isolation -e . || echo "setup_env: editable install failed; using the checkout" >&2
 fi
-unset _want_test _reqs _here _installed
+unset _want_test _reqs _here _installed _isolation

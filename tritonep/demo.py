@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
 from tritonep.utils import calc_diff
 
@@ -84,9 +85,7 @@ def rank_main(group: dist.ProcessGroup, s: Setup) -> dict:
                       weights["w2"][local].to(device))
     x = make_tokens(s, rank).to(device)
     # The NVLink backend stages every received row: size for all ranks sending all tokens.
-    nvl_bytes = deep_ep.Config(num_max_nvl_chunked_recv_tokens=s.tokens).get_nvl_buffer_size_hint(
-        s.hidden * 2, s.ranks)
-    buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes)
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes_for(s.tokens, s.hidden, s.ranks, s.topk))
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     for _ in range(s.iters):
         topk_idx, topk_weights = route(x, router, s.topk)
@@ -124,7 +123,7 @@ def reference(s: Setup) -> torch.Tensor:
 
 def report(s: Setup, results: list[dict], where: str, diff: float, max_err: float, ok: bool) -> None:
     bytes_moved = sum(r["recv_rows"] for r in results) * s.hidden * 2  # bf16 rows received, all ranks
-    print(f"tritonep demo: {s.ranks} ranks on {where} ({results[0]['backend']}), {s.tokens} tokens/rank, "
+    print(f"tritonep demo: {s.ranks} ranks on {where}, {results[0]['backend']}, {s.tokens} tokens/rank, "
           f"hidden {s.hidden}, {s.experts} experts, top-{s.topk}")
     print(f"{'phase':<12}{'median ms':>11}{'bytes moved':>14}{'GB/s':>9}")
     for phase in PHASES:
