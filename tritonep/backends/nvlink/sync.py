@@ -26,17 +26,18 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 GPU_KERNELS = not INTERPRET
 
 # Phases reported in the status word when a wait times out.
-PHASE_NOTIFY = 1
-PHASE_DISPATCH_SLOT = 2     # sender waiting for the receiver to free its staging rows
-PHASE_DISPATCH_DATA = 3     # receiver waiting for rows from a sender
-PHASE_COMBINE_SLOT = 4
-PHASE_COMBINE_DATA = 5
+# (constexpr so kernels may read them as globals)
+PHASE_NOTIFY = tl.constexpr(1)
+PHASE_DISPATCH_SLOT = tl.constexpr(2)     # sender waiting for the receiver to free its staging rows
+PHASE_DISPATCH_DATA = tl.constexpr(3)     # receiver waiting for rows from a sender
+PHASE_COMBINE_SLOT = tl.constexpr(4)
+PHASE_COMBINE_DATA = tl.constexpr(5)
 PHASE_NAMES = {
-    PHASE_NOTIFY: "count exchange (notify)",
-    PHASE_DISPATCH_SLOT: "dispatch: waiting for the peer to release its receive area",
-    PHASE_DISPATCH_DATA: "dispatch: waiting for rows from the peer",
-    PHASE_COMBINE_SLOT: "combine: waiting for the peer to release its receive area",
-    PHASE_COMBINE_DATA: "combine: waiting for rows from the peer",
+    1: "count exchange (notify)",
+    2: "dispatch: waiting for the peer to release its receive area",
+    3: "dispatch: waiting for rows from the peer",
+    4: "combine: waiting for the peer to release its receive area",
+    5: "combine: waiting for rows from the peer",
 }
 # Spins that stand in for the timeout in the interpreter (each spin is a Python call).
 INTERPRETER_MAX_SPINS = 2_000_000
