@@ -65,6 +65,8 @@ def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
     else:
         topk_idx[torch.rand(n, k, generator=generator) < 0.1] = -1
     inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": torch.rand(n, k, generator=generator)}
+    # Cast once, on the CPU: both backends must then move identical fp8 bytes and scales.
+    inputs["dispatch_x"] = utils.per_token_cast_to_fp8(x) if case.fp8 else x
     if case.bias:
         inputs["bias"] = torch.randn(n, case.hidden, generator=generator).to(torch.bfloat16)
     return inputs
@@ -74,7 +76,7 @@ def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device)
     x = inputs["x"].to(device)
     topk_idx, topk_weights = inputs["topk_idx"].to(device), inputs["topk_weights"].to(device)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
-    dispatch_x = utils.per_token_cast_to_fp8(x) if case.fp8 else x
+    dispatch_x = _to_device(inputs["dispatch_x"], device)
     config = deep_ep.Config(case.num_sms)
     recv_x, recv_idx, recv_weights, per_expert_list, handle, _ = buffer.dispatch(
         dispatch_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -95,6 +97,10 @@ def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device)
         "prefix": handle.rank_prefix_matrix, "combined": combined, "combined_weights": combined_weights,
     }
     return _to_cpu(result)
+
+
+def _to_device(value, device: torch.device):
+    return tuple(v.to(device) for v in value) if isinstance(value, tuple) else value.to(device)
 
 
 def _to_cpu(value):

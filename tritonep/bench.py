@@ -127,7 +127,9 @@ def _copy_engine_ceiling(group, remote_bytes: int) -> float:
     import torch.distributed._symmetric_memory as symm_mem
 
     rank, num_ranks = group.rank(), group.size()
-    per_peer = max(remote_bytes // max(num_ranks - 1, 1) // 16 * 16, 16)
+    largest = torch.tensor([remote_bytes], device="cuda")
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)    # symmetric memory: same size everywhere
+    per_peer = max(int(largest) // max(num_ranks - 1, 1) // 16 * 16, 16)
     buffer = symm_mem.empty(per_peer * num_ranks, dtype=torch.uint8, device="cuda")
     handle = symm_mem.rendezvous(buffer, group.group_name)
     source = torch.randint(0, 255, (per_peer,), dtype=torch.uint8, device="cuda")
