@@ -67,7 +67,7 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool) -> None:
              token_list_stride=4096, prefix_ptr=I32, out_x_ptr=I32, out_scales_ptr=I32, out_idx_ptr=I64,
              out_weights_ptr=F32, out_src_ptr=I32, num_out_rows=8192, peer_base_ptrs=I64, staging_x=1 << 20,
              staging_scales=1 << 28, staging_idx=1 << 29, staging_weights=1 << 30, staging_src=(1 << 30) + 4096,
-             capacity=8192, rank=0, epoch=5, experts_per_rank=128, status_ptr=I64, timeout_ns=60 * 10**9),
+             capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64, timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12,
              HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, ROWS=8, BLOCK=2048, SIGNAL_EVERY=4),
         num_warps=16)
@@ -83,7 +83,7 @@ def test_combine_kernel_compiles(has_weights: bool, has_bias: bool) -> None:
         dict(x_ptr=BF16, weights_ptr=F32 if has_weights else BF16, prefix_ptr=I32, is_token_in_rank_ptr=BOOL,
              send_pos_ptr=I32, bias0_ptr=BF16, bias1_ptr=BF16, out_ptr=BF16, out_weights_ptr=F32 if has_weights
              else BF16, num_tokens=4096, hidden=7168, peer_base_ptrs=I64, staging_x=1 << 30,
-             staging_weights=(1 << 30) + (1 << 27), capacity=8192, rank=1, epoch=7, status_ptr=I64,
+             staging_weights=(1 << 30) + (1 << 27), capacity=8192, rank=1, epoch=7, released_target=72, status_ptr=I64,
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=2, RANKS_PAD=2,
              NUM_SENDERS=12, NUM_REDUCERS=12, HAS_WEIGHTS=has_weights, NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias,

@@ -62,10 +62,11 @@ def test_interpreter_matches_cpu_backend(interpreter_pools, case: Case) -> None:
 
 
 def test_interpreter_repeated_calls_reuse_staging(interpreter_pools) -> None:
-    """Several calls back to back: epochs and done-counters must let each call reuse staging."""
+    """Calls back to back with different program counts: the done-counters must still tell a
+    sender when the peer's staging is free (a fixed-count assumption hangs here)."""
     pool = interpreter_pools(2)
-    for seed in range(20, 24):
-        _check(pool, Case(seed=seed, tokens=(17, 23), hidden=128, num_experts=8, num_topk=2, num_sms=4))
+    for seed, num_sms in zip(range(20, 24), (4, 2, 7, 4)):
+        _check(pool, Case(seed=seed, tokens=(17, 23), hidden=128, num_experts=8, num_topk=2, num_sms=num_sms))
 
 
 # ------------------------------------------------------------------------------- GPU

@@ -80,6 +80,10 @@ class NvlinkBackend(Backend):
         self.notify_epoch = 0
         self.dispatch_epoch = 0
         self.combine_epoch = 0
+        # Receiver (reducer) programs of all earlier dispatch (combine) calls: each one adds 1 to
+        # every peer's done counter, so a sender knows when the staging it writes is free again.
+        self.dispatch_released = 0
+        self.combine_released = 0
         self.tuning = Tuning()
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
         from ..collective import CollectiveBackend
@@ -216,13 +220,15 @@ class NvlinkBackend(Backend):
             recv_idx if has_topk else self._placeholder(torch.int64),
             recv_weights if has_topk else self._placeholder(torch.float32), recv_src, num_out_rows,
             self.memory.peer_base_ptrs, *regions, capacity,
-            self.rank, self.dispatch_epoch, max(request.num_experts // R, 1), self.status, self.timeout_ns,
+            self.rank, self.dispatch_epoch, self.dispatch_released, max(request.num_experts // R, 1), self.status,
+            self.timeout_ns,
             TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=_pow2_at_most(x_words, t.block),
             SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS, num_warps=t.warps,
         )
+        self.dispatch_released += receivers
         self._after_launch()
         if handle is None:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, hidden,
@@ -253,7 +259,7 @@ class NvlinkBackend(Backend):
             plan.send_pos, bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x,
             out, out_weights if out_weights is not None else out, num_tokens, hidden,
             self.memory.peer_base_ptrs, *regions, capacity,
-            self.rank, self.combine_epoch, self.status, self.timeout_ns,
+            self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns,
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
             NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
@@ -262,6 +268,7 @@ class NvlinkBackend(Backend):
             TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
             num_warps=t.warps,
         )
+        self.combine_released += reducers
         self._after_launch()
         return out, out_weights
 

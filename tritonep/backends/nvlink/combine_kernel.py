@@ -13,7 +13,7 @@ of token t from rank r at ``offset[r] + send_pos[t, r]``).
   write bf16. Stages let reduction overlap the transfer.
 
 As in dispatch, a sender waits for the destination's reducers to finish the previous call
-before overwriting its staging rows (``combine_done``).
+before overwriting its staging rows (``combine_done`` reaching ``released_target``).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ def _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS: tl.constexpr):
     return end - begin
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "num_tokens", "hidden", "capacity", "timeout_ns"])
+@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "num_tokens", "hidden", "capacity", "timeout_ns"])
 def combine_kernel(
     x_ptr, weights_ptr, prefix_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr,
     out_ptr, out_weights_ptr, num_tokens, hidden,
     peer_base_ptrs, staging_x, staging_weights, capacity,
-    rank, epoch, status_ptr, timeout_ns,
+    rank, epoch, released_target, status_ptr, timeout_ns,
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_REDUCERS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
@@ -64,7 +64,7 @@ def combine_kernel(
             dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
             tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
             if hi > lo:
-                wait_at_least(my_signals + DONE_WORD + source, (epoch - 1).to(tl.int64) * NUM_REDUCERS,
+                wait_at_least(my_signals + DONE_WORD + source, released_target.to(tl.int64),
                               status_ptr, timeout_ns, PHASE_COMBINE_SLOT, source, GPU)
             tiles = 0
             for row0 in range(lo, hi, ROWS):

@@ -13,7 +13,9 @@ row's position in its send list. There is no ring buffer and no flow control ins
   copy arrived rows from staging into the output tensors, overlapping the transfer.
 
 Staging is reused by the next call, so before writing to a destination a sender waits until
-all receiver programs of that destination finished the previous call (``dispatch_done``).
+all receiver programs of that destination finished the previous call: each receiver program
+adds one to ``dispatch_done`` at every source when it is done, and the host passes the total
+all earlier calls will have added (``released_target``; the receiver count varies with num_sms).
 Top-k ids are turned into the destination's local expert ids on the way (-1 elsewhere,
 weight 0), so receivers copy every row field verbatim.
 """
@@ -42,14 +44,14 @@ def _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx_ptr, dst_weights_
     tl.store(dst_weights_ptr + dst, tl.where(here, weights, 0.0), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "experts_per_rank", "num_out_rows", "capacity", "timeout_ns",
+@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "capacity", "timeout_ns",
                                "x_words", "scale_words", "token_list_stride"])
 def dispatch_kernel(
     x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride,
     topk_idx_ptr, topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr,
     out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows,
     peer_base_ptrs, staging_x, staging_scales, staging_idx, staging_weights, staging_src, capacity,
-    rank, epoch, experts_per_rank, status_ptr, timeout_ns,
+    rank, epoch, released_target, experts_per_rank, status_ptr, timeout_ns,
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
@@ -74,7 +76,7 @@ def dispatch_kernel(
                 dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
                 dst_src = (peer_base + staging_src).to(tl.pointer_type(tl.int32))
                 if hi > lo:
-                    wait_at_least(my_signals + DONE_WORD + destination, (epoch - 1).to(tl.int64) * NUM_RECEIVERS,
+                    wait_at_least(my_signals + DONE_WORD + destination, released_target.to(tl.int64),
                                   status_ptr, timeout_ns, PHASE_DISPATCH_SLOT, destination, GPU)
             else:
                 row_limit = num_out_rows
