@@ -1,0 +1,215 @@
+"""Low-latency (decode) dispatch and combine with plain ``torch.distributed`` collectives.
+
+Every (token, expert) pair travels once, in ``routing.low_latency_send_plan`` order (by global
+expert, token order inside), as one packed byte row: the e4m3 (or bf16) data, its scales, the
+source token index and the local expert id. Two collectives per dispatch:
+
+1. an all_gather of a fixed-size header: the rows each rank sends to each rank, plus the call's
+   shape (hidden, T, E, fp8 flags). Fixed size because ranks that disagree on E must still be
+   able to compare notes: every rank then raises the same InputError instead of crashing;
+2. an all_to_all_single of the rows.
+
+The receiver places the rows in DeepEP's packed layout ``[E_local, R*T, H]`` from the expert
+ids they carry: inside local expert e the blocks of source ranks 0..R-1 follow each other
+(ascending, so the layout is deterministic here), token order inside. With ``return_recv_hook``
+only the sends are issued and the hook does the wait and the placement, filling the returned
+tensors (data, scales, count, src_info, layout_range) in place.
+
+These functions take the process group explicitly and keep their state in the handle, so the
+NVLink backend calls them unchanged on NCCL groups.
+
+Conventions this transport chooses where DeepEP leaves things open:
+* rows of ``packed_recv_x`` / scales past ``packed_recv_count[e]`` are left uninitialised and
+  ``src_info`` is -1 there;
+* ``dispatch_wait_recv_cost_stats`` gets the same wait (host nanoseconds around the wait for the
+  one all_to_all that carries every source's rows) added to every source's entry, since one
+  collective cannot tell the sources apart. On NCCL the wait only orders streams, so the value
+  measures the host side, not the GPU's wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ... import fp8, routing
+from ...checks import InputError
+from ...handles import LowLatencyHandle
+from ..base import LowLatencyDispatchRequest, LowLatencyDispatchResult
+from .packing import all_gather_rows, all_to_all_rows, check_same_on_all_ranks, compact, pack_rows, unpack_rows
+
+_HEADER_NAMES = ["hidden", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale",
+                 "use_ue8m0"]
+
+
+@dataclass
+class LowLatencyLayout:
+    """The receiver's placement, kept in the handle so the combine can send rows back."""
+
+    recv_splits: list[int]  # rows received from each source rank (sent back by the combine)
+    send_splits: list[int]  # pairs this rank sent to each rank (come back in the combine)
+    # Filled when the receive completes (by the hook with return_recv_hook):
+    recv_expert: torch.Tensor | None = field(default=None)  # [Q] local expert of each row, arrival order
+    recv_row: torch.Tensor | None = field(default=None)     # [Q] its row inside packed_recv_x[expert]
+
+
+def _placement(expert: torch.Tensor, recv_splits: list[int], experts_per_rank: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows in arrival order (by source, then local expert, then token) -> (row in the packed
+    layout [Q], counts [E_local, R]).
+
+    Row j of the (source s, expert e) segment goes to ``begin[e, s] + j``, where ``begin`` is
+    the exclusive prefix over sources of expert e's counts.
+    """
+    num_ranks = len(recv_splits)
+    device = expert.device
+    num_rows = expert.numel()
+    source = torch.repeat_interleave(torch.arange(num_ranks, device=device),
+                                     torch.tensor(recv_splits, device=device), output_size=num_rows)
+    segment = source * experts_per_rank + expert  # non-decreasing in arrival order
+    per_segment = torch.bincount(segment, minlength=num_ranks * experts_per_rank)
+    segment_start = per_segment.cumsum(0) - per_segment
+    within = torch.arange(num_rows, device=device) - segment_start[segment]
+    counts = per_segment.view(num_ranks, experts_per_rank).t()  # [E_local, R]
+    begin = counts.cumsum(1) - counts
+    row = begin[expert, source] + within
+    return row, counts
+
+
+def dispatch(group: dist.ProcessGroup, buffer_id: int, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+    """Send each (token, expert) pair to the expert's rank and pack it per local expert."""
+    rank, num_ranks = group.rank(), group.size()
+    x, topk_idx = request.x, request.topk_idx
+    T, num_experts = request.num_max_dispatch_tokens_per_rank, request.num_experts
+    experts_per_rank = num_experts // num_ranks
+    hidden = x.shape[1]
+    device = x.device
+    use_fp8, use_ue8m0 = request.use_fp8, request.use_ue8m0
+
+    token_index, _, expert, counts = routing.low_latency_send_plan(topk_idx, num_experts, num_ranks)
+    header = torch.tensor([hidden, T, num_experts, int(use_fp8), int(request.round_scale), int(use_ue8m0)],
+                          dtype=torch.int64, device=device)
+    table = all_gather_rows(group, torch.cat([counts.sum(1), header]))
+    check_same_on_all_ranks(table[:, num_ranks:], _HEADER_NAMES, "low_latency_dispatch")
+    send_splits = table[rank, :num_ranks].tolist()
+    recv_splits = table[:, rank].tolist()
+
+    parts: list[torch.Tensor]
+    if use_fp8:
+        x_fp8, scales = fp8.cast_to_fp8(x, round_scale=request.round_scale, use_ue8m0=use_ue8m0)
+        parts = [compact(x_fp8).view(torch.uint8).index_select(0, token_index), scales.index_select(0, token_index)]
+        specs = [(torch.uint8, hidden), (scales.dtype, scales.shape[1])]
+    else:
+        parts = [x.index_select(0, token_index)]
+        specs = [(torch.bfloat16, hidden)]
+    ids = torch.stack([token_index, expert % experts_per_rank], dim=1).to(torch.int32)
+    parts.append(ids)
+    specs.append((torch.int32, 2))
+    recv, work = all_to_all_rows(group, pack_rows(parts), send_splits, recv_splits, async_op=True)
+
+    slots = num_ranks * T
+    packed_count = torch.zeros(experts_per_rank, dtype=torch.int32, device=device)
+    src_info = torch.full((experts_per_rank, slots), -1, dtype=torch.int32, device=device)
+    layout_range = torch.zeros(experts_per_rank, num_ranks, dtype=torch.int64, device=device)
+    if use_fp8:
+        packed_x = torch.empty(experts_per_rank, slots, hidden, dtype=fp8.FP8_DTYPE, device=device)
+        scale_dtype, scale_cols = specs[1]
+        # Column-major in the last two dims, as DeepEP's kernels write them.
+        packed_scales = torch.empty(experts_per_rank, scale_cols, slots, dtype=scale_dtype,
+                                    device=device).transpose(1, 2)
+        packed: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (packed_x, packed_scales)
+    else:
+        packed_x = torch.empty(experts_per_rank, slots, hidden, dtype=torch.bfloat16, device=device)
+        packed = packed_x
+    layout = LowLatencyLayout(recv_splits, send_splits)
+    recv_stats = request.cumulative_local_expert_recv_stats
+    wait_stats = request.dispatch_wait_recv_cost_stats
+
+    def finish() -> None:
+        start = time.perf_counter_ns()
+        work.wait()
+        waited = time.perf_counter_ns() - start
+        fields = unpack_rows(recv, specs)
+        ids = fields[-1].to(torch.int64)
+        recv_expert = ids[:, 1]
+        row, expert_counts = _placement(recv_expert, recv_splits, experts_per_rank)
+        packed_x.view(torch.uint8)[recv_expert, row] = fields[0].view(torch.uint8)
+        if use_fp8:
+            packed_scales[recv_expert, row] = fields[1]
+        src_info[recv_expert, row] = ids[:, 0].to(torch.int32)
+        begin = expert_counts.cumsum(1) - expert_counts
+        layout_range.copy_((begin << 32) | expert_counts)
+        packed_count.copy_(expert_counts.sum(1))
+        layout.recv_expert, layout.recv_row = recv_expert, row
+        if recv_stats is not None:
+            recv_stats.add_(packed_count)
+        if wait_stats is not None:
+            wait_stats.add_(waited)
+
+    handle = LowLatencyHandle(src_info, layout_range, T, hidden, num_experts, buffer_id, layout)
+    if request.return_recv_hook:
+        return LowLatencyDispatchResult(packed, packed_count, handle, finish)
+    finish()
+    return LowLatencyDispatchResult(packed, packed_count, handle, None)
+
+
+def _check_combine(group: dist.ProcessGroup, layout: LowLatencyLayout, expected_back: torch.Tensor,
+                   hidden: int) -> None:
+    """Every rank learns whether the combine's rows line up, and all raise the same error if not.
+
+    Rank s expects ``expected_back[d]`` rows back from rank d (its topk_idx now); rank d received
+    ``recv_splits[s]`` rows from s at dispatch and will send exactly those back.
+    """
+    num_ranks = group.size()
+    mine = torch.cat([expected_back.to(torch.int64).cpu(), torch.tensor(layout.recv_splits + [hidden])])
+    table = all_gather_rows(group, mine.to(expected_back.device))
+    check_same_on_all_ranks(table[:, 2 * num_ranks:], ["hidden"], "low_latency_combine")
+    for source in range(num_ranks):
+        for target in range(num_ranks):
+            expected, sent = int(table[source, target]), int(table[target, num_ranks + source])
+            if expected != sent:
+                raise InputError(
+                    f"low_latency_combine: rank {source}'s topk_idx routes {expected} (token, expert) pairs to "
+                    f"rank {target}, but the dispatch of this handle sent {sent}; pass the topk_idx (and "
+                    f"handle) of that low_latency_dispatch")
+
+
+def combine(group: dist.ProcessGroup, source: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+            handle: LowLatencyHandle, return_recv_hook: bool,
+            out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """Return expert outputs to their tokens: ``out[t] = sum_k w[t, k] * y_{topk_idx[t, k]}(t)``.
+
+    ``source`` [E_local, R*T, H] bf16 holds the expert outputs at the rows the dispatch filled.
+    Each rank sends them back in arrival order; they reach the source in its own send order,
+    which is recomputed from ``topk_idx`` to know the (token, k) of every returned row. One
+    small all_gather first checks that every rank's topk_idx matches its dispatch.
+    """
+    layout: LowLatencyLayout = handle.backend_state
+    if layout.recv_expert is None or layout.recv_row is None:
+        raise InputError("low_latency_combine: the dispatch of this handle was not received yet; call its "
+                         "recv hook first")
+    num_experts = handle[4]
+    num_tokens, hidden = topk_idx.shape[0], source.shape[2]
+    token_index, slot_k, _, counts = routing.low_latency_send_plan(topk_idx, num_experts, group.size())
+    _check_combine(group, layout, counts.sum(1), hidden)
+    rows = source[layout.recv_expert, layout.recv_row]
+    back, work = all_to_all_rows(group, rows, layout.recv_splits, layout.send_splits, async_op=True)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=source.device)
+    result = out
+
+    def finish() -> None:
+        work.wait()
+        weights = topk_weights[token_index, slot_k].unsqueeze(1)
+        total = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=source.device)
+        total.index_add_(0, token_index, back.float() * weights)
+        result.copy_(total)
+
+    if return_recv_hook:
+        return result, finish
+    finish()
+    return result, None
