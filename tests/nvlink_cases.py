@@ -73,7 +73,6 @@ def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
 
 
 def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device) -> dict:
-    x = inputs["x"].to(device)
     topk_idx, topk_weights = inputs["topk_idx"].to(device), inputs["topk_weights"].to(device)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
     dispatch_x = _to_device(inputs["dispatch_x"], device)
@@ -134,3 +133,24 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24)
     got = _run(nvlink, case, inputs, nvlink.device)
     expected = _run(cpu, case, inputs, torch.device("cpu"))
     return [m for key in expected for m in _mismatches(key, got[key], expected[key])]
+
+
+def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) -> str:
+    """Rank 0 routes to expert E (out of range): every rank's dispatch must raise, none hang.
+
+    On the GPU the front end does not read ids back (that would sync every call); the layout
+    kernel counts them and the count exchange stops all ranks.
+    """
+    nvlink, _ = _buffers(group, nvl_bytes)
+    num_experts = 8 * group.size()
+    topk_idx = torch.randint(0, num_experts, (64, 4), device=nvlink.device)
+    if group.rank() == 0:
+        topk_idx[5, 2] = num_experts
+    x = torch.randn(64, 256, device=nvlink.device).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = nvlink.get_dispatch_layout(topk_idx, num_experts)
+    try:
+        nvlink.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=topk_idx, topk_weights=torch.rand(64, 4, device=nvlink.device))
+    except deep_ep.InputError as error:
+        return str(error)
+    return ""

@@ -43,7 +43,8 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4)
 def test_layout_kernel_compiles() -> None:
     compile_for_hopper(dispatch_layout_kernel,
                        dict(topk_idx_ptr=I64, num_tokens=4096, num_tokens_per_rank_ptr=I32,
-                            num_tokens_per_expert_ptr=I32, is_token_in_rank_ptr=BOOL, experts_per_rank=128),
+                            num_tokens_per_expert_ptr=I32, is_token_in_rank_ptr=BOOL, invalid_ids_ptr=I32,
+                            num_experts=256, experts_per_rank=128),
                        dict(NUM_TOPK=8, TOPK_PAD=8, NUM_RANKS=2, RANKS_PAD=2, BLOCK_N=128))
 
 
@@ -54,8 +55,8 @@ def test_notify_kernel_compiles(exchange: bool) -> None:
                             signature_ptr=I32, token_list_ptr=I32, token_list_stride=4096, send_pos_ptr=I32,
                             result_ptr=I32, peer_base_ptrs=I64, rank=1, notify_epoch=3, experts_per_rank=128,
                             status_ptr=I64, timeout_ns=60 * 10**9),
-                       dict(NOTIFY_FLAG_WORD=0, PAYLOAD_BYTE_OFFSET=8192, PAYLOAD_WORDS=1030, EXPERT_WORDS=1024,
-                            SIGNATURE=4, NUM_RANKS=3, RANKS_PAD=4, EXPERTS_PAD=128, BLOCK_T=256, EXCHANGE=exchange))
+                       dict(NOTIFY_FLAG_WORD=0, PAYLOAD_BYTE_OFFSET=8192, PAYLOAD_WORDS=1035, EXPERT_WORDS=1024,
+                            SIGNATURE=8, NUM_RANKS=3, RANKS_PAD=4, EXPERTS_PAD=128, BLOCK_T=256, EXCHANGE=exchange))
 
 
 @pytest.mark.parametrize("has_scales,has_topk", [(False, True), (True, True), (False, False)])
@@ -67,7 +68,8 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool) -> None:
              token_list_stride=4096, prefix_ptr=I32, out_x_ptr=I32, out_scales_ptr=I32, out_idx_ptr=I64,
              out_weights_ptr=F32, out_src_ptr=I32, num_out_rows=8192, peer_base_ptrs=I64, staging_x=1 << 20,
              staging_scales=1 << 28, staging_idx=1 << 29, staging_weights=1 << 30, staging_src=(1 << 30) + 4096,
-             capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64, timeout_ns=60 * 10**9),
+             capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64,
+             timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12,
              HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, ROWS=8, BLOCK=2048, SIGNAL_EVERY=4),
         num_warps=16)

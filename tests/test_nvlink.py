@@ -14,7 +14,7 @@ import os
 import random
 
 import pytest
-from nvlink_cases import Case, compare_case
+from nvlink_cases import Case, compare_case, invalid_expert_id_error
 
 from tritonep.launch import RankPool
 
@@ -94,7 +94,8 @@ def test_gpu_matches_cpu_backend(gpu_pool, tokens: int, hidden: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", GPU_VARIANTS)
 def test_gpu_variants(gpu_pool, variant: str) -> None:
-    case = Case(seed=GPU_VARIANTS.index(variant), tokens=(1000, 777), hidden=4096, num_experts=64, num_topk=6, num_sms=16,
+    case = Case(seed=GPU_VARIANTS.index(variant), tokens=(1000, 777), hidden=4096, num_experts=64, num_topk=6,
+                num_sms=16,
                 fp8=variant == "fp8", num_worst_tokens=4096 if variant == "worst" else 0, bias=variant == "bias",
                 routing=variant if variant in ("skewed", "one_rank", "none") else "random",
                 expert_alignment=128 if variant == "align" else 1)
@@ -113,3 +114,11 @@ def test_gpu_race_loop(gpu_pool) -> None:
                     num_sms=rng.choice([2, 8, 24, 64]))
         _check(gpu_pool, case, nvl_bytes=1 << 30)
 
+
+
+@pytest.mark.gpu
+def test_gpu_invalid_expert_id_raises_on_every_rank(gpu_pool) -> None:
+    messages = gpu_pool.run(invalid_expert_id_error)
+    assert all("outside [-1, num_experts)" in m for m in messages), messages
+    # The buffer stays usable after the refused call.
+    _check(gpu_pool, Case(seed=99, tokens=(100, 50), hidden=2048, num_experts=16, num_topk=4), nvl_bytes=1 << 30)

@@ -66,6 +66,23 @@ def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, w
     return float(median)
 
 
+def _pipelined_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) -> float:
+    """Microseconds per call when calls are issued back to back (host runs ahead of the GPU,
+    as in a training loop): per-call host overhead hides behind the previous call's kernels."""
+    align = torch.zeros(1, device="cuda")
+    fn()
+    dist.all_reduce(align, group=group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    per_call = torch.tensor([start.elapsed_time(end) * 1e3 / iters], dtype=torch.float64, device="cuda")
+    dist.all_reduce(per_call, op=dist.ReduceOp.MAX, group=group)
+    return float(per_call)
+
+
 def _make_routing(args: argparse.Namespace, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     torch.manual_seed(1234 + rank)
     x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
@@ -101,6 +118,11 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
         "cached_dispatch_us": _median_us(group, lambda: buffer.dispatch(x, handle=handle, config=config), iters),
         "combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=config), iters),
     }
+    if x.is_cuda:
+        result["cached_dispatch_pipelined_us"] = _pipelined_us(
+            group, lambda: buffer.dispatch(x, handle=handle, config=config), iters)
+        result["combine_pipelined_us"] = _pipelined_us(group, lambda: buffer.combine(recv_x, handle, config=config),
+                                                       iters)
     if fp8:
         result["cached_dispatch_fp8_us"] = _median_us(group, lambda: buffer.dispatch(x_fp8, handle=handle,
                                                                                      config=config), iters)
@@ -177,11 +199,13 @@ def _shape_sweep(group, buffer, args, x, topk_idx, topk_weights) -> list[dict]:
 
     results = []
     default = buffer.backend.tuning
-    for rows, warps, share in ((4, 8, 0.5), (8, 16, 0.5), (16, 16, 0.5), (8, 16, 0.375), (8, 16, 0.625),
-                               (8, 32, 0.5)):
-        buffer.backend.tuning = Tuning(sender_fraction=share, combine_sender_fraction=share, rows=rows, warps=warps)
+    for rows, warps, share, combine_share in ((8, 32, 0.625, 0.375), (8, 16, 0.625, 0.375), (4, 32, 0.625, 0.375),
+                                              (16, 32, 0.625, 0.375), (8, 32, 0.5, 0.25), (8, 32, 0.75, 0.5)):
+        buffer.backend.tuning = Tuning(sender_fraction=share, combine_sender_fraction=combine_share, rows=rows,
+                                       warps=warps)
         measured = _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False)
-        results.append({"rows": rows, "warps": warps, "sender_fraction": share, **measured})
+        results.append({"rows": rows, "warps": warps, "sender_fraction": share, "combine_sender_fraction":
+                        combine_share, **measured})
     buffer.backend.tuning = default
     return results
 
@@ -192,7 +216,8 @@ def _gbps(num_bytes: float, us: float) -> float:
 
 def print_table(report: dict) -> None:
     fp8_factor = (1 + 4 / 128) / 2
-    print(f"\n{report['ranks']} ranks on {report['device']}, {report['tokens']} tokens/rank, hidden {report['hidden']}, "
+    print(f"\n{report['ranks']} ranks on {report['device']}, {report['tokens']} tokens/rank, "
+          f"hidden {report['hidden']}, "
           f"top-{report['topk']} of {report['experts']} experts, num_sms={report['num_sms']}")
     print(f"{'path':<40}{'time (us)':>12}{'GB/s':>10}")
     rows = []
@@ -204,6 +229,9 @@ def print_table(report: dict) -> None:
                  (f"{name}: dispatch (with counts)", m["dispatch_us"], m["recv_bytes"]),
                  (f"{name}: cached dispatch bf16", m["cached_dispatch_us"], m["recv_bytes"]),
                  (f"{name}: combine", m["combine_us"], m["recv_bytes"])]
+        if "cached_dispatch_pipelined_us" in m:
+            rows += [(f"{name}: cached dispatch, back to back", m["cached_dispatch_pipelined_us"], m["recv_bytes"]),
+                     (f"{name}: combine, back to back", m["combine_pipelined_us"], m["recv_bytes"])]
         if "cached_dispatch_fp8_us" in m:
             rows.append((f"{name}: cached dispatch fp8", m["cached_dispatch_fp8_us"], m["recv_bytes"] * fp8_factor))
     any_path = report.get("tritonep", report["all_to_all_path"])
@@ -215,11 +243,16 @@ def print_table(report: dict) -> None:
         print(f"(remote bytes per rank: {report['remote_bytes'] / 1e6:.1f} MB; NVL GB/s counts own rows too)")
     for n, m in report.get("num_sms_curve", {}).items():
         print(f"num_sms={n:<4} cached dispatch {_gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  "
-              f"combine {_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s")
+              f"combine {_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s  back to back: "
+              f"{_gbps(m['recv_bytes'], m['cached_dispatch_pipelined_us']):7.1f} / "
+              f"{_gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s")
     for m in report.get("shape_sweep", []):
-        print(f"rows={m['rows']:<3} warps={m['warps']:<3} senders={m['sender_fraction']:<6} cached dispatch "
+        print(f"rows={m['rows']:<3} warps={m['warps']:<3} senders={m['sender_fraction']:<6}/"
+              f"{m['combine_sender_fraction']:<6} cached dispatch "
               f"{_gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  combine "
-              f"{_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s")
+              f"{_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s  back to back: "
+              f"{_gbps(m['recv_bytes'], m['cached_dispatch_pipelined_us']):7.1f} / "
+              f"{_gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s")
 
 
 def main(argv: list[str] | None = None) -> None:

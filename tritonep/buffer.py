@@ -264,7 +264,7 @@ class Buffer:
             request = DispatchRequest(
                 x=data, x_scales=scales, topk_idx=None, topk_weights=None,
                 is_token_in_rank=handle.is_token_in_rank,
-                num_tokens_per_rank=handle.is_token_in_rank.sum(0, dtype=torch.int32),
+                num_tokens_per_rank=None,
                 num_tokens_per_expert=None, num_experts=0, expert_alignment=expert_alignment,
                 num_worst_tokens=num_worst_tokens, cached_handle=handle, config=config)
         else:

@@ -25,7 +25,7 @@ class DispatchRequest:
     topk_idx: torch.Tensor | None         # [N, K] int64 global expert ids, -1 = none
     topk_weights: torch.Tensor | None     # [N, K] float32
     is_token_in_rank: torch.Tensor        # [N, R] bool
-    num_tokens_per_rank: torch.Tensor     # [R] int32
+    num_tokens_per_rank: torch.Tensor | None  # [R] int32 (None in cached mode)
     num_tokens_per_expert: torch.Tensor | None  # [E] int32 (None in cached mode)
     num_experts: int                      # E (0 in cached mode)
     expert_alignment: int
@@ -142,5 +142,6 @@ class Backend(abc.ABC):
                                 use_rdma_buffer: bool) -> torch.Tensor:
         ...
 
+    @abc.abstractmethod
     def destroy(self) -> None:
         """Release the transport's memory. Collective."""

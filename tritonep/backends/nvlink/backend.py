@@ -42,11 +42,11 @@ class SendPlan:
 class Tuning:
     """Kernel shape; environment overrides exist for the benchmark's sweeps."""
 
-    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
-    combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.5"))
+    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.625"))
+    combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.375"))
     rows: int = int(os.environ.get("TRITONEP_ROWS", "8"))
     block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
-    warps: int = int(os.environ.get("TRITONEP_WARPS", "16"))
+    warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
     tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
 
@@ -75,6 +75,7 @@ class NvlinkBackend(Backend):
         self.memory = SymmetricBuffer(group, num_nvl_bytes, self._device, interpret=INTERPRET)
         self.half_bytes = self.memory.data_bytes // 2 // 4096 * 4096
         self.status = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self.invalid_ids = torch.zeros(1, dtype=torch.int32, device=self._device)
         self.status_host = self.status if INTERPRET else torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
         self.notify_epoch = 0
@@ -101,13 +102,23 @@ class NvlinkBackend(Backend):
     # ------------------------------------------------------------------ status
     def check_status(self) -> None:
         """Raise if a kernel of an earlier call gave up waiting on a peer."""
-        code = int(self.status_host[0])
+        code = int(self.status_host.numpy()[0])   # pinned host copy: no device sync
         if code:
             phase, peer = divmod(code - 1, 65536)
             raise RuntimeError(
                 f"tritonep: rank {self.rank} timed out after {self.timeout_ns / 1e9:.0f} s in phase "
                 f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or called a "
                 f"different sequence of dispatch/combine. This Buffer cannot be used any more.")
+
+    def _check_agreement(self, ranks_disagreeing: int, invalid_ids: int) -> None:
+        """Raise on every rank, before any row moves, if the count exchange found a problem."""
+        if invalid_ids:
+            self.invalid_ids.zero_()
+            raise InputError(f"topk_idx given to get_dispatch_layout had {invalid_ids} entries (over all ranks) "
+                             "outside [-1, num_experts); nothing was dispatched")
+        if ranks_disagreeing:
+            raise InputError(f"ranks called dispatch with different arguments: {ranks_disagreeing} rank(s) "
+                             "disagree on (hidden, scales, top-k, num_experts) with this rank")
 
     def _after_launch(self) -> None:
         if not INTERPRET:
@@ -136,7 +147,7 @@ class NvlinkBackend(Backend):
     # ------------------------------------------------------------------ normal mode
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.invalid_ids)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         self.check_status()
@@ -161,8 +172,9 @@ class NvlinkBackend(Backend):
                                  f"({capacity} rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
         else:
             self.notify_epoch += 1
-            signature = torch.tensor([x_words, scale_words, num_topk, request.num_experts], dtype=torch.int32,
-                                     device=self._device)
+            signature = torch.zeros(8, dtype=torch.int32, device=self._device)
+            signature[:4] = torch.tensor([x_words, scale_words, num_topk, request.num_experts], dtype=torch.int32)
+            signature[4:5] = self.invalid_ids
             token_list, send_pos, result = notify_dispatch(
                 self.memory, request.is_token_in_rank, request.num_tokens_per_expert, signature,
                 self.notify_epoch, self.status, self.timeout_ns)
@@ -176,23 +188,20 @@ class NvlinkBackend(Backend):
                 per_expert = []
             else:
                 self._after_launch()
-                host = result.cpu()   # the host sync: output sizes depend on peers' counts
+                host = result.tolist()   # the host sync: output sizes depend on peers' counts
                 self.check_status()
-                if int(host[-1]) != 0:
-                    raise InputError(f"ranks called dispatch with different arguments: {int(host[-1])} rank(s) "
-                                     "disagree on (hidden, scales, top-k, num_experts) with this rank")
-                prefix_host = host[: R * R].view(R, R)
-                received = prefix_host[R - 1]
-                sent = prefix_host.clone()
-                sent[1:] -= prefix_host[:-1]
-                max_send_rows = int(sent.sum(1).max())
-                if int(received.max()) > capacity:
-                    worst = int(received.argmax())
-                    raise InputError(f"rank {worst} would receive {int(received.max())} rows but the NVLink buffer "
+                self._check_agreement(host[-2], host[-1])
+                prefix_rows = [host[i * R:(i + 1) * R] for i in range(R)]
+                received = prefix_rows[-1]
+                sent_totals = [sum(prefix_rows[0])] + [sum(b) - sum(a) for a, b in zip(prefix_rows, prefix_rows[1:])]
+                max_send_rows = max(sent_totals)
+                if max(received) > capacity:
+                    worst = received.index(max(received))
+                    raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
                                      f"holds {capacity} rows of {row_bytes} bytes; make the Buffer with more "
                                      f"num_nvl_bytes")
-                num_out_rows = int(received[self.rank])
-                per_expert = round_up_counts(host[R * R: -1].tolist(), request.expert_alignment)
+                num_out_rows = received[self.rank]
+                per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
             plan = SendPlan(token_list, send_pos, max_send_rows)
         device = self._device
         recv_x = torch.empty(num_out_rows, hidden, dtype=x.dtype, device=device)
@@ -264,7 +273,7 @@ class NvlinkBackend(Backend):
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
             NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
-            ROWS=t.rows, BLOCK=_pow2_at_most(hidden, max(t.block // max(_pow2(R) // 2, 1), 256)),
+            ROWS=t.rows, BLOCK=_pow2_at_most(hidden, max(t.block // 2 // _pow2(R), 256)),
             TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
             num_warps=t.warps,
         )

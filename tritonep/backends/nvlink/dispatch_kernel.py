@@ -44,7 +44,8 @@ def _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx_ptr, dst_weights_
     tl.store(dst_weights_ptr + dst, tl.where(here, weights, 0.0), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "capacity", "timeout_ns",
+@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "capacity",
+                               "timeout_ns",
                                "x_words", "scale_words", "token_list_stride"])
 def dispatch_kernel(
     x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride,

@@ -15,7 +15,7 @@ import triton.language as tl
 @triton.jit
 def dispatch_layout_kernel(
     topk_idx_ptr, num_tokens, num_tokens_per_rank_ptr, num_tokens_per_expert_ptr, is_token_in_rank_ptr,
-    experts_per_rank,
+    invalid_ids_ptr, num_experts, experts_per_rank,
     NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -24,7 +24,10 @@ def dispatch_layout_kernel(
     slots = tl.arange(0, TOPK_PAD)
     mask = token_mask[:, None] & (slots < NUM_TOPK)[None, :]
     experts = tl.load(topk_idx_ptr + tokens[:, None].to(tl.int64) * NUM_TOPK + slots[None, :], mask=mask, other=-1)
-    valid = experts >= 0
+    # Ids outside [-1, E) are counted (dispatch then refuses to run) and routed nowhere.
+    invalid = mask & ((experts < -1) | (experts >= num_experts))
+    tl.atomic_add(invalid_ids_ptr, tl.sum(tl.sum(invalid.to(tl.int32), axis=1), axis=0))
+    valid = (experts >= 0) & (invalid == 0)
     tl.atomic_add(num_tokens_per_expert_ptr + tl.where(valid, experts, 0), 1, mask=valid)
 
     target_rank = tl.where(valid, experts // experts_per_rank, -1)
@@ -37,9 +40,15 @@ def dispatch_layout_kernel(
     tl.atomic_add(num_tokens_per_rank_ptr + ranks, tl.sum(in_rank, axis=0), mask=rank_mask)
 
 
-def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, block_n: int = 128
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
+                    invalid_ids: torch.Tensor | None = None, block_n: int = 128
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same result as :func:`tritonep.routing.dispatch_layout`, in one kernel."""
+    """Same result as :func:`tritonep.routing.dispatch_layout`, in one kernel.
+
+    ``invalid_ids`` (int32 [1]) is incremented by the number of ids outside [-1, E).
+    """
+    if invalid_ids is None:
+        invalid_ids = torch.zeros(1, dtype=torch.int32, device=topk_idx.device)
     num_tokens, num_topk = topk_idx.shape
     counts = torch.zeros(num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)
     num_tokens_per_rank, num_tokens_per_expert = counts[:num_ranks], counts[num_ranks:]
@@ -47,7 +56,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, bl
     if num_tokens > 0:
         dispatch_layout_kernel[(triton.cdiv(num_tokens, block_n),)](
             topk_idx, num_tokens, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
-            num_experts // num_ranks,
+            invalid_ids, num_experts, num_experts // num_ranks,
             NUM_TOPK=num_topk, TOPK_PAD=triton.next_power_of_2(num_topk), NUM_RANKS=num_ranks,
             RANKS_PAD=triton.next_power_of_2(num_ranks), BLOCK_N=block_n, num_warps=4,
         )

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 MAX_CHANNELS = 160            # sender programs per launch (> SMs of an H100/H200)
 MAX_LOCAL_EXPERTS = 1024
-SIGNATURE_WORDS = 4           # (hidden words, scale words, top-k, experts) compared across ranks
+SIGNATURE_WORDS = 8           # (hidden words, scale words, top-k, experts, invalid ids, 0, 0, 0)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,9 @@ def notify_dispatch_kernel(
                              mask=source_mask[:, None], other=0, cache_modifier=".cv")
         differs = tl.max((signatures != signature[None, :]).to(tl.int32), axis=1) & source_mask.to(tl.int32)
         tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank, tl.sum(differs, axis=0))
+        # Word 4 counts a rank's out-of-range expert ids: any rank with some stops every rank.
+        invalid = tl.sum(tl.where(words[None, :] == 4, signatures, 0), axis=1)
+        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, tl.sum(invalid, axis=0))
 
 
 def notify_dispatch(
@@ -103,7 +106,8 @@ def notify_dispatch(
     """Returns ``(token_list [R, N] int32, send_pos [N+1, R] int32, result)``.
 
     ``result`` (int32, None without exchange) holds ``rank_prefix_matrix`` (R*R), the
-    per-local-expert receive counts (E/R), and the number of ranks whose signature differs.
+    per-local-expert receive counts (E/R), the number of ranks whose signature differs, and
+    the out-of-range expert ids counted over all ranks.
     Without ``num_tokens_per_expert`` only the send plan is built (no communication).
     """
     num_tokens, num_ranks = is_token_in_rank.shape
@@ -114,7 +118,7 @@ def notify_dispatch(
     experts_per_rank = num_tokens_per_expert.shape[0] // num_ranks if exchange else 0
     if experts_per_rank > MAX_LOCAL_EXPERTS:
         raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank are supported, got {experts_per_rank}")
-    result = torch.empty(num_ranks * num_ranks + experts_per_rank + 1, dtype=torch.int32, device=device) \
+    result = torch.empty(num_ranks * num_ranks + experts_per_rank + 2, dtype=torch.int32, device=device) \
         if exchange else None
     layout = memory.signals
     notify_dispatch_kernel[(1,)](
