@@ -22,6 +22,7 @@ backend on gloo ranks at a small size so the command works everywhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -119,6 +120,8 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
         "combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=config), iters),
     }
     if x.is_cuda:
+        result["layout_pipelined_us"] = _pipelined_us(
+            group, lambda: buffer.get_dispatch_layout(topk_idx, args.experts), iters)
         result["cached_dispatch_pipelined_us"] = _pipelined_us(
             group, lambda: buffer.dispatch(x, handle=handle, config=config), iters)
         result["combine_pipelined_us"] = _pipelined_us(group, lambda: buffer.combine(recv_x, handle, config=config),
@@ -194,18 +197,17 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
 
 
 def _shape_sweep(group, buffer, args, x, topk_idx, topk_weights) -> list[dict]:
-    """A few kernel shapes (rows per tile, warps, sender share) at --num-sms."""
-    from tritonep.backends.nvlink.backend import Tuning
-
+    """Kernel shapes around the defaults (one field changed at a time) at --num-sms."""
     results = []
     default = buffer.backend.tuning
-    for rows, warps, share, combine_share in ((8, 32, 0.625, 0.375), (8, 16, 0.625, 0.375), (4, 32, 0.625, 0.375),
-                                              (16, 32, 0.625, 0.375), (8, 32, 0.5, 0.25), (8, 32, 0.75, 0.5)):
-        buffer.backend.tuning = Tuning(sender_fraction=share, combine_sender_fraction=combine_share, rows=rows,
-                                       warps=warps)
+    variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=4096),
+                dict(tokens=2), dict(tokens=8), dict(combine_block=2048), dict(combine_block=8192),
+                dict(sender_fraction=0.5, combine_sender_fraction=0.25),
+                dict(sender_fraction=0.75, combine_sender_fraction=0.5)]
+    for change in variants:
+        buffer.backend.tuning = dataclasses.replace(default, **change)
         measured = _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False)
-        results.append({"rows": rows, "warps": warps, "sender_fraction": share, "combine_sender_fraction":
-                        combine_share, **measured})
+        results.append({"change": change or "defaults", **dataclasses.asdict(buffer.backend.tuning), **measured})
     buffer.backend.tuning = default
     return results
 
@@ -230,7 +232,8 @@ def print_table(report: dict) -> None:
                  (f"{name}: cached dispatch bf16", m["cached_dispatch_us"], m["recv_bytes"]),
                  (f"{name}: combine", m["combine_us"], m["recv_bytes"])]
         if "cached_dispatch_pipelined_us" in m:
-            rows += [(f"{name}: cached dispatch, back to back", m["cached_dispatch_pipelined_us"], m["recv_bytes"]),
+            rows += [(f"{name}: layout, back to back", m["layout_pipelined_us"], None),
+                     (f"{name}: cached dispatch, back to back", m["cached_dispatch_pipelined_us"], m["recv_bytes"]),
                      (f"{name}: combine, back to back", m["combine_pipelined_us"], m["recv_bytes"])]
         if "cached_dispatch_fp8_us" in m:
             rows.append((f"{name}: cached dispatch fp8", m["cached_dispatch_fp8_us"], m["recv_bytes"] * fp8_factor))
@@ -247,8 +250,7 @@ def print_table(report: dict) -> None:
               f"{_gbps(m['recv_bytes'], m['cached_dispatch_pipelined_us']):7.1f} / "
               f"{_gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s")
     for m in report.get("shape_sweep", []):
-        print(f"rows={m['rows']:<3} warps={m['warps']:<3} senders={m['sender_fraction']:<6}/"
-              f"{m['combine_sender_fraction']:<6} cached dispatch "
+        print(f"{str(m['change']):<55} cached dispatch "
               f"{_gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  combine "
               f"{_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s  back to back: "
               f"{_gbps(m['recv_bytes'], m['cached_dispatch_pipelined_us']):7.1f} / "

@@ -48,6 +48,7 @@ class Tuning:
     block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
     warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
     tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
+    combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "4096"))   # columns x ranks per token
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
 
 
@@ -55,13 +56,6 @@ def _split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
     total = max(2, min(num_sms, MAX_CHANNELS))
     senders = min(max(1, round(total * fraction)), total - 1)
     return senders, total - senders
-
-
-def _pow2_at_most(value: int, limit: int) -> int:
-    result = 1
-    while result * 2 <= min(value, limit):
-        result *= 2
-    return max(result, 16)
 
 
 class NvlinkBackend(Backend):
@@ -234,7 +228,7 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=_pow2_at_most(x_words, t.block),
+            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=min(_pow2(x_words), t.block),
             SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS, num_warps=t.warps,
         )
         self.dispatch_released += receivers
@@ -273,7 +267,7 @@ class NvlinkBackend(Backend):
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
             NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
-            ROWS=t.rows, BLOCK=_pow2_at_most(hidden, max(t.block // 2 // _pow2(R), 256)),
+            ROWS=t.rows, BLOCK=min(_pow2(hidden), max(t.combine_block // _pow2(R), 256)),
             TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
             num_warps=t.warps,
         )

@@ -88,11 +88,15 @@ def dispatch_kernel(
                 dst_src = out_src_ptr
             tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
             tiles = 0
+            send_list = token_list_ptr + destination * token_list_stride
+            # Token ids are fetched one tile ahead, so each tile waits for one load latency, not two.
+            next_tokens = tl.load(send_list + lo + tl.arange(0, ROWS), mask=lo + tl.arange(0, ROWS) < hi, other=0)
             for row0 in range(lo, hi, ROWS):
                 rows = row0 + tl.arange(0, ROWS)
                 dst_rows = start + rows
                 mask = (rows < hi) & (dst_rows < row_limit)
-                tokens = tl.load(token_list_ptr + destination * token_list_stride + rows, mask=mask, other=0)
+                tokens = next_tokens
+                next_tokens = tl.load(send_list + rows + ROWS, mask=rows + ROWS < hi, other=0)
                 copy_rows(x_ptr, tokens, x_words, 1, dst_x, dst_rows, mask, x_words, BLOCK, False)
                 if HAS_SCALES:
                     copy_rows(scales_ptr, tokens, scale_token_stride, scale_col_stride, dst_scales, dst_rows, mask,
