@@ -201,7 +201,7 @@ def _shape_sweep(group, buffer, args, x, topk_idx, topk_weights) -> list[dict]:
     results = []
     default = buffer.backend.tuning
     variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=4096),
-                dict(tokens=2), dict(tokens=8), dict(combine_block=2048), dict(combine_block=8192),
+                dict(tokens=2), dict(tokens=8), dict(combine_block=1024), dict(combine_block=4096),
                 dict(sender_fraction=0.5, combine_sender_fraction=0.25),
                 dict(sender_fraction=0.75, combine_sender_fraction=0.5)]
     for change in variants:

@@ -48,7 +48,7 @@ class Tuning:
     block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
     warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
     tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
-    combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "4096"))   # columns x ranks per token
+    combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
 
 
@@ -267,7 +267,7 @@ class NvlinkBackend(Backend):
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
             NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
-            ROWS=t.rows, BLOCK=min(_pow2(hidden), max(t.combine_block // _pow2(R), 256)),
+            ROWS=t.rows, BLOCK=min(_pow2(hidden), t.combine_block),
             TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
             num_warps=t.warps,
         )

@@ -107,18 +107,27 @@ def combine_kernel(
                 staged = in_rank & (ranks != rank)[None, :] & (rows < capacity)
                 for c0 in range(0, hidden, BLOCK):
                     cols = c0 + tl.arange(0, BLOCK)
-                    col_mask = (cols < hidden)[None, None, :]
-                    offsets = rows[:, :, None] * hidden + cols[None, None, :]
-                    values = tl.load(x_ptr + offsets, mask=own[:, :, None] & col_mask, other=0.0).to(tl.float32)
-                    values += tl.load(staged_x + offsets, mask=staged[:, :, None] & col_mask, other=0.0,
-                                      cache_modifier=".cg").to(tl.float32)
-                    total = tl.sum(values, axis=1)
                     out_offsets = tokens.to(tl.int64)[:, None] * hidden + cols[None, :]
                     out_mask = token_mask[:, None] & (cols < hidden)[None, :]
+                    total = tl.zeros([TOKENS, BLOCK], dtype=tl.float32)
                     if HAS_BIAS0:
                         total += tl.load(bias0_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
                     if HAS_BIAS1:
                         total += tl.load(bias1_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
+                    # One [TOKENS, BLOCK] tile per source rank, summed in registers: reducing over a
+                    # rank axis of a 3-D tile would go through shared memory on every block.
+                    for lane in tl.static_range(NUM_RANKS):
+                        pick = ranks[None, :] == lane
+                        lane_rows = tl.sum(tl.where(pick, rows, 0), axis=1)
+                        if lane == rank:
+                            lane_mask = tl.sum(tl.where(pick & own, 1, 0), axis=1) > 0
+                            values = tl.load(x_ptr + lane_rows[:, None] * hidden + cols[None, :],
+                                             mask=lane_mask[:, None] & out_mask, other=0.0)
+                        else:
+                            lane_mask = tl.sum(tl.where(pick & staged, 1, 0), axis=1) > 0
+                            values = tl.load(staged_x + lane_rows[:, None] * hidden + cols[None, :],
+                                             mask=lane_mask[:, None] & out_mask, other=0.0, cache_modifier=".cg")
+                        total += values.to(tl.float32)
                     tl.store(out_ptr + out_offsets, total.to(tl.bfloat16), mask=out_mask)
                 if HAS_WEIGHTS:
                     slots = tl.arange(0, TOPK_PAD)
