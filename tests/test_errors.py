@@ -187,6 +187,12 @@ CASES: dict[str, Case] = {
     "dispatch: x non-contiguous": (
         lambda c: c.buf.dispatch(_noncontiguous_x(), **c.dispatch_kwargs()),
         ("x must be contiguous", "strides")),
+    "dispatch: x on another device": (
+        lambda c: c.buf.dispatch(torch.empty(N, H, dtype=torch.bfloat16, device="meta"), **c.dispatch_kwargs()),
+        ("x must be on cpu", "got meta")),
+    "layout: topk_idx on another device": (
+        lambda c: c.buf.get_dispatch_layout(torch.empty(N, K, dtype=torch.int64, device="meta"), E),
+        ("topk_idx must be on cpu", "got meta")),
     "dispatch: x a list": (
         lambda c: c.buf.dispatch([c.x], **c.dispatch_kwargs()),
         ("x must be a torch.Tensor", "got list")),

@@ -26,6 +26,9 @@ POOL_TIMEOUT_S = 60.0
 MAX_TOKENS = 12
 STRATEGIES = ("uniform", "skewed", "empty", "one_rank", "all_minus_one", "mixed")
 
+# The loaded hypothesis profile (tests/conftest.py: "ci" 25 examples, "dev" 200) sets the budget
+# of the main round-trip search; the costlier searches get a fraction of it.
+PROFILE_EXAMPLES = settings().max_examples
 SETTINGS = dict(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -65,8 +68,9 @@ class World:
     weights: list[torch.Tensor]        # float32 [N_r, K] (garbage where topk == -1)
     fp8: bool                          # also dispatch an (fp8, scales) tuple
     fp8_data: list[torch.Tensor] = field(default_factory=list)   # uint8 view of e4m3 [N_r, H]
-    fp8_scales: list[torch.Tensor] = field(default_factory=list)  # float32 [N_r, H/128]
+    fp8_scales: list[torch.Tensor] = field(default_factory=list)  # float32 [N_r, H/128] or int32 [N_r, 1]
     scales_col_major: bool = False
+    packed_scales: bool = False        # int32 (UE8M0-packed) scales instead of float32
     alignment: int = 1
     worst_extra: int = 0
     num_biases: int = 0
@@ -123,6 +127,7 @@ class Knobs:
     T_extra: int = 1
     fp8: bool = True
     scales_col_major: bool = True
+    packed_scales: bool = False
     alignment: int = 1
     worst_extra: int = 1
     num_biases: int = 1
@@ -158,15 +163,20 @@ def build_world(R: int, knobs: Knobs) -> World:
         x2.append(torch.from_numpy(3 * rng.standard_normal((tokens[r], H)).astype(np.float32))
                   .to(torch.bfloat16))
     world = World(R=R, H=H, E=E, K=K, T=T, strategy=strategy, x=x, x2=x2, topk=topk, weights=weights,
-                  fp8=knobs.fp8, scales_col_major=knobs.scales_col_major, alignment=knobs.alignment,
+                  fp8=knobs.fp8, scales_col_major=knobs.scales_col_major, packed_scales=knobs.packed_scales,
+                  alignment=knobs.alignment,
                   worst_extra=knobs.worst_extra, num_biases=knobs.num_biases, use_hook=knobs.use_hook,
                   zero_copy=knobs.zero_copy, round_scale=knobs.round_scale)
     for r in range(R):
         if world.fp8:
             data = torch.from_numpy(rng.uniform(-400, 400, size=(tokens[r], H)).astype(np.float32)).to(FP8)
             world.fp8_data.append(data.view(torch.uint8))
-            world.fp8_scales.append(torch.from_numpy(rng.uniform(0.01, 2.0, size=(tokens[r], H // 128))
-                                                     .astype(np.float32)))
+            if world.packed_scales:  # any int32 bit patterns: they are carried, never read
+                world.fp8_scales.append(torch.from_numpy(rng.integers(-2**31, 2**31, size=(tokens[r], 1))
+                                                         .astype(np.int32)))
+            else:
+                world.fp8_scales.append(torch.from_numpy(rng.uniform(0.01, 2.0, size=(tokens[r], H // 128))
+                                                         .astype(np.float32)))
         world.biases.append(tuple(
             torch.from_numpy(rng.standard_normal((tokens[r], H)).astype(np.float32)).to(torch.bfloat16)
             for _ in range(world.num_biases)))
@@ -189,6 +199,7 @@ def worlds(draw, num_ranks: int) -> World:
         T_extra=draw(st.integers(0, 3)),
         fp8=draw(st.booleans()),
         scales_col_major=draw(st.booleans()),
+        packed_scales=draw(st.booleans()),
         alignment=draw(st.sampled_from([1, 1, 2, 4, 128])),
         worst_extra=draw(st.integers(0, 3)),
         num_biases=draw(st.integers(0, 2)),
@@ -257,6 +268,12 @@ def _round_trip_calls(group, world: World) -> dict:
     else:
         cached_recv = cached_recv.clone()
     out["cached"] = (cached_recv, [value is None for value in cached[1:5]])
+    if world.fp8:  # a fresh dispatch of the fp8 tuple: data and scales ride with the top-k
+        (f_data, f_scales), f_idx, f_w, f_counts, _, _ = buffer.dispatch(
+            cached_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk, topk_weights=weights, expert_alignment=world.alignment)
+        out["fresh_fp8"] = ((f_data.view(torch.uint8).clone(), f_scales.clone()), f_idx.clone(), f_w.clone(),
+                            list(f_counts))
 
     # The caller's bound is the same on all ranks: rows this rank could receive at most, plus slack.
     num_worst = max(1, world.worst_extra + _max_received(world))
@@ -408,18 +425,25 @@ def _check_combine(world: World, r: int, result) -> None:
     _close(combined_w, exp_w, f"rank {r} combined_topk_weights", world, rtol=1e-6, atol=1e-6)
 
 
+def _check_fp8_rows(world: World, r: int, recv, what: str) -> None:
+    """(fp8 data as uint8, scales) received by rank r: the source rows, bits unchanged."""
+    rows = _expected_rows(world, r)
+    data, scales = recv
+    exp_data = (torch.stack([world.fp8_data[s][t] for s, t in rows]) if rows
+                else torch.empty(0, world.H, dtype=torch.uint8))
+    exp_scales = (torch.stack([world.fp8_scales[s][t] for s, t in rows]) if rows
+                  else world.fp8_scales[0].new_empty((0, world.fp8_scales[0].shape[1])))
+    assert torch.equal(data, exp_data), f"rank {r} {what} fp8 recv data\n{world.describe()}"
+    assert scales.dtype == exp_scales.dtype and torch.equal(scales, exp_scales), \
+        f"rank {r} {what} recv scales ({scales.dtype})\n{world.describe()}"
+
+
 def _check_cached(world: World, r: int, result) -> None:
     recv, none_flags = result
     assert none_flags == [True, True, True, True], f"cached dispatch returned non-None extras {none_flags}"
     rows = _expected_rows(world, r)
     if world.fp8:
-        data, scales = recv
-        exp_data = (torch.stack([world.fp8_data[s][t] for s, t in rows]) if rows
-                    else torch.empty(0, world.H, dtype=torch.uint8))
-        exp_scales = (torch.stack([world.fp8_scales[s][t] for s, t in rows]) if rows
-                      else torch.empty(0, world.H // 128))
-        assert torch.equal(data, exp_data), f"rank {r} cached fp8 recv data\n{world.describe()}"
-        assert torch.equal(scales, exp_scales), f"rank {r} cached fp8 recv scales\n{world.describe()}"
+        _check_fp8_rows(world, r, recv, "cached dispatch")
     else:
         exp = torch.stack([world.x2[s][t] for s, t in rows]) if rows else torch.empty(0, world.H)
         assert recv.shape == (len(rows), world.H)
@@ -547,6 +571,13 @@ def _run_and_check(pool: RankPool, world: World) -> None:
         _check_dispatch(world, r, out["dispatch"])
         _check_combine(world, r, out["combine"])
         _check_cached(world, r, out["cached"])
+        if world.fp8:
+            recv, f_idx, f_w, f_counts = out["fresh_fp8"]
+            _check_fp8_rows(world, r, recv, "fresh dispatch")
+            bf16_dispatch = out["dispatch"]
+            assert torch.equal(f_idx, bf16_dispatch[1]) and torch.equal(f_w, bf16_dispatch[2]), \
+                f"rank {r}: fp8 dispatch top-k differs from the bf16 dispatch of the same routing"
+            assert f_counts == bf16_dispatch[3]
         _check_worst(world, r, out["worst"], out["dispatch"])
         _check_low_latency(world, r, out["ll"], out["ll_combine"])
         _check_low_latency_fp8(world, r, out["ll_fp8"], out["ll_fp8_combine"], out["stats"], out["ll"][1])
@@ -558,14 +589,14 @@ def _run_and_check(pool: RankPool, world: World) -> None:
 
 # ----------------------------------------------------------------------------- the tests
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
-@settings(max_examples=20, **SETTINGS)
+@settings(max_examples=PROFILE_EXAMPLES, **SETTINGS)
 @given(data=st.data())
 def test_round_trip(pools, num_ranks, data):
     world = data.draw(worlds(num_ranks))
     _run_and_check(pools(num_ranks), world)
 
 
-@settings(max_examples=3, **SETTINGS)
+@settings(max_examples=max(3, PROFILE_EXAMPLES // 8), **SETTINGS)
 @given(world=worlds(5))
 def test_round_trip_five_ranks(pools, world):
     _run_and_check(pools(5), world)
@@ -578,7 +609,8 @@ def test_every_strategy(pools, num_ranks, strategy):
     seed = 1000 * num_ranks + STRATEGIES.index(strategy)
     knobs = Knobs(strategy=strategy, seed=seed, K=3 + num_ranks % 3, E_local=1 + seed % 3,
                   H=128 if num_ranks % 2 else 256, use_hook=bool(seed % 2), zero_copy=bool(seed % 3 == 0),
-                  round_scale=strategy in ("skewed", "mixed"), alignment=(1, 4)[num_ranks % 2])
+                  round_scale=strategy in ("skewed", "mixed"), alignment=(1, 4)[num_ranks % 2],
+                  packed_scales=strategy in ("uniform", "one_rank"))
     _run_and_check(pools(num_ranks), build_world(num_ranks, knobs))
 
 
@@ -603,7 +635,7 @@ def _pow2_ceil(value: float) -> float:
     return 2.0 ** (exponent - 1) if mantissa == 0.5 else 2.0 ** exponent
 
 
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=max(4, PROFILE_EXAMPLES // 6), **SETTINGS)
 @given(seed=st.integers(0, 2**32 - 1), E_local=st.integers(1, 3), K=st.integers(1, 4))
 def test_low_latency_ue8m0_scales(pools, seed, E_local, K):
     """use_ue8m0: power-of-two scales, one exponent byte (k + 127 for 2**k) per 128 channels,
