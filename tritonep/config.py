@@ -26,13 +26,14 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of NVLink buffer needed for a dispatch of ``hidden_bytes`` per token.
 
-        Our NVLink transport stages every received row (no ring buffer), so the hint is sized
-        for ``num_max_nvl_chunked_recv_tokens`` rows from each rank plus per-row metadata;
-        callers with more tokens should size ``num_nvl_bytes`` with
-        :func:`tritonep.buffer.nvl_bytes_for` instead.
+        Our NVLink transport stages every received row (no ring buffer), in two halves (dispatch
+        rows, combine rows), so the hint covers ``num_max_nvl_chunked_recv_tokens`` rows from
+        each rank in each half, plus per-row metadata (scales, top-k, source index). Callers
+        with more tokens per call should size ``num_nvl_bytes`` with
+        :func:`tritonep.buffer.nvl_bytes_for`; a call that does not fit raises and says so.
         """
         rows = self.num_max_nvl_chunked_recv_tokens * num_ranks
-        return _round_up(rows * (hidden_bytes + 256) + (1 << 20), 128)
+        return _round_up(2 * rows * (hidden_bytes + 512) + (1 << 20), 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Internode (RDMA) buffer hint; zero until the internode backend exists."""
