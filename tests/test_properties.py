@@ -261,7 +261,10 @@ def _round_trip_calls(group, world: World) -> dict:
         if world.scales_col_major:
             scales = scales.t().contiguous().t()
         cached_x = (world.fp8_data[rank].view(FP8), scales)
-    cached = buffer.dispatch(cached_x, handle=handle)
+    # DeepEP's overlap pattern: wait on a captured event, finish asynchronously, then wait.
+    cached = buffer.dispatch(cached_x, handle=handle, previous_event=deep_ep.Buffer.capture(), async_finish=True,
+                             allocate_on_comm_stream=True)
+    cached[5].current_stream_wait()
     cached_recv = cached[0]
     if world.fp8:
         cached_recv = (cached_recv[0].view(torch.uint8).clone(), cached_recv[1].clone())
@@ -280,7 +283,8 @@ def _round_trip_calls(group, world: World) -> dict:
     w_recv_x, w_recv_idx, w_recv_w, w_counts, w_handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk, topk_weights=weights, num_worst_tokens=num_worst)
-    w_combined, _, _ = buffer.combine(w_recv_x, w_handle)
+    w_combined, _, event = buffer.combine(w_recv_x, w_handle, async_finish=True)
+    event.current_stream_wait()
     w_cached = buffer.dispatch(world.x2[rank], handle=w_handle)[0]
     out["worst"] = (num_worst, w_recv_x.clone(), w_recv_idx.clone(), w_recv_w.clone(), list(w_counts),
                     w_combined.clone(), w_cached.clone())
