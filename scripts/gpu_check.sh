@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full]      quick: a subset of the GPU tests
+#   bash scripts/gpu_check.sh [quick|full]   quick: a subset of the GPU tests, no benchmark sweep
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -23,8 +23,10 @@ cat "$OUT/system.txt"
 
 if [ "$MODE" = quick ]; then
   selection=(-k "variants or 7168 or race")
+  bench_args=()
 else
   selection=()
+  bench_args=(--sweep)
 fi
 echo "== GPU tests ($MODE)"
 timeout 420 python3 -m pytest -q -x -m gpu tests/test_nvlink.py "${selection[@]}" -p no:cacheprovider \
@@ -32,7 +34,7 @@ timeout 420 python3 -m pytest -q -x -m gpu tests/test_nvlink.py "${selection[@]}
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== benchmark"
-timeout 300 python3 -m tritonep.bench --sweep --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -40
+timeout 300 python3 -m tritonep.bench "${bench_args[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== demo on GPUs"

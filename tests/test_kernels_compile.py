@@ -82,12 +82,13 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool) -> None:
 def test_combine_kernel_compiles(has_weights: bool, has_bias: bool) -> None:
     compile_for_hopper(
         combine_kernel,
-        dict(x_ptr=BF16, weights_ptr=F32 if has_weights else BF16, prefix_ptr=I32, is_token_in_rank_ptr=BOOL,
+        dict(x_ptr=BF16, x_words_ptr=I32, weights_ptr=F32 if has_weights else BF16, prefix_ptr=I32,
+             is_token_in_rank_ptr=BOOL,
              send_pos_ptr=I32, bias0_ptr=BF16, bias1_ptr=BF16, out_ptr=BF16, out_weights_ptr=F32 if has_weights
              else BF16, num_tokens=4096, hidden=7168, peer_base_ptrs=I64, staging_x=1 << 30,
              staging_weights=(1 << 30) + (1 << 27), capacity=8192, rank=1, epoch=7, released_target=72, status_ptr=I64,
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=2, RANKS_PAD=2,
              NUM_SENDERS=12, NUM_REDUCERS=12, HAS_WEIGHTS=has_weights, NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias,
-             HAS_BIAS1=has_bias, ROWS=8, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
+             HAS_BIAS1=has_bias, ROWS=8, COPY_BLOCK=2048, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
         num_warps=16)

@@ -257,8 +257,12 @@ class NvlinkBackend(Backend):
         self.combine_epoch += 1
         t = self.tuning
         R = self.num_ranks
+        if hidden % 2:
+            raise InputError(f"the NVLink backend moves combine rows in 4-byte words; hidden must be even, "
+                             f"got {hidden}")
         combine_kernel[(senders + reducers,)](
-            x, topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix, handle.is_token_in_rank,
+            x, x.view(torch.int32), topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
+            handle.is_token_in_rank,
             plan.send_pos, bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x,
             out, out_weights if out_weights is not None else out, num_tokens, hidden,
             self.memory.peer_base_ptrs, *regions, capacity,
@@ -267,7 +271,7 @@ class NvlinkBackend(Backend):
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
             NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
-            ROWS=t.rows, BLOCK=min(_pow2(hidden), t.combine_block),
+            ROWS=t.rows, COPY_BLOCK=min(_pow2(hidden // 2), t.block), BLOCK=min(_pow2(hidden), t.combine_block),
             TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
             num_warps=t.warps,
         )

@@ -36,7 +36,7 @@ def _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank", "epoch", "released_target", "num_tokens", "hidden", "capacity", "timeout_ns"])
 def combine_kernel(
-    x_ptr, weights_ptr, prefix_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr,
+    x_ptr, x_words_ptr, weights_ptr, prefix_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr,
     out_ptr, out_weights_ptr, num_tokens, hidden,
     peer_base_ptrs, staging_x, staging_weights, capacity,
     rank, epoch, released_target, status_ptr, timeout_ns,
@@ -44,7 +44,7 @@ def combine_kernel(
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_REDUCERS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, STAGE: tl.constexpr,
+    ROWS: tl.constexpr, COPY_BLOCK: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, STAGE: tl.constexpr,
     SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -60,7 +60,9 @@ def combine_kernel(
             # Where our rows start in the source's staging: after rows from lower ranks.
             offset = tl.sum(tl.where(ranks < rank, _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS), 0), axis=0)
             peer_base = tl.load(peer_base_ptrs + source)
-            dst_x = (peer_base + staging_x).to(tl.pointer_type(tl.bfloat16))
+            # Rows travel as 4-byte words (x_words_ptr aliases x): twice the bytes per tile.
+            dst_x = (peer_base + staging_x).to(tl.pointer_type(tl.int32))
+            row_words = hidden // 2
             dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
             tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
             if hi > lo:
@@ -71,7 +73,7 @@ def combine_kernel(
                 rows = row0 + tl.arange(0, ROWS)
                 dst_rows = offset + rows
                 mask = (rows < hi) & (dst_rows < capacity)
-                copy_rows(x_ptr, start + rows, hidden, 1, dst_x, dst_rows, mask, hidden, BLOCK, False)
+                copy_rows(x_words_ptr, start + rows, row_words, 1, dst_x, dst_rows, mask, row_words, COPY_BLOCK, False)
                 if HAS_WEIGHTS:
                     copy_rows(weights_ptr, start + rows, NUM_TOPK, 1, dst_weights, dst_rows, mask, NUM_TOPK, 16,
                               False)
@@ -115,19 +117,17 @@ def combine_kernel(
                     if HAS_BIAS1:
                         total += tl.load(bias1_ptr + out_offsets, mask=out_mask, other=0.0).to(tl.float32)
                     # One [TOKENS, BLOCK] tile per source rank, summed in registers: reducing over a
-                    # rank axis of a 3-D tile would go through shared memory on every block.
+                    # rank axis of a 3-D tile would go through shared memory on every block. Both
+                    # loads of a lane are predicated, not branched, so all lanes' loads are in
+                    # flight before the first add.
                     for lane in tl.static_range(NUM_RANKS):
                         pick = ranks[None, :] == lane
-                        lane_rows = tl.sum(tl.where(pick, rows, 0), axis=1)
-                        if lane == rank:
-                            lane_mask = tl.sum(tl.where(pick & own, 1, 0), axis=1) > 0
-                            values = tl.load(x_ptr + lane_rows[:, None] * hidden + cols[None, :],
-                                             mask=lane_mask[:, None] & out_mask, other=0.0)
-                        else:
-                            lane_mask = tl.sum(tl.where(pick & staged, 1, 0), axis=1) > 0
-                            values = tl.load(staged_x + lane_rows[:, None] * hidden + cols[None, :],
-                                             mask=lane_mask[:, None] & out_mask, other=0.0, cache_modifier=".cg")
-                        total += values.to(tl.float32)
+                        lane_rows = tl.sum(tl.where(pick, rows, 0), axis=1)[:, None] * hidden + cols[None, :]
+                        from_x = tl.sum(tl.where(pick & own, 1, 0), axis=1) > 0
+                        from_staging = tl.sum(tl.where(pick & staged, 1, 0), axis=1) > 0
+                        total += tl.load(x_ptr + lane_rows, mask=from_x[:, None] & out_mask, other=0.0).to(tl.float32)
+                        total += tl.load(staged_x + lane_rows, mask=from_staging[:, None] & out_mask, other=0.0,
+                                         cache_modifier=".cg").to(tl.float32)
                     tl.store(out_ptr + out_offsets, total.to(tl.bfloat16), mask=out_mask)
                 if HAS_WEIGHTS:
                     slots = tl.arange(0, TOPK_PAD)
