@@ -88,7 +88,11 @@ class RankPool:
                 self.close(force=True)
                 raise RankFailure(f"rank {rank} did not finish {getattr(fn, '__name__', fn)} within "
                                   f"{self.timeout:.0f} s (hang?)")
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except EOFError:   # the rank's process died (killed, or a crash in native code)
+                self.close(force=True)
+                raise RankFailure(f"rank {rank} exited while running {getattr(fn, '__name__', fn)}") from None
             if status == "error":
                 failures.append(f"--- rank {rank} ---\n{value}")
             results.append(value)

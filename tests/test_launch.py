@@ -1,0 +1,43 @@
+"""RankPool: results come back by rank; failures and dead ranks raise RankFailure, never hang."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tritonep.launch import RankFailure, RankPool
+
+
+def _rank_sum(group: dist.ProcessGroup, offset: int) -> int:
+    value = torch.tensor([group.rank() + offset])
+    dist.all_reduce(value, group=group)
+    return int(value)
+
+
+def _fail_on_rank_one(group: dist.ProcessGroup) -> int:
+    if group.rank() == 1:
+        raise ValueError("planted failure")
+    return group.rank()
+
+
+def _exit_on_rank_one(group: dist.ProcessGroup) -> int:
+    if group.rank() == 1:
+        os._exit(3)
+    return group.rank()
+
+
+def test_results_by_rank_and_errors_carry_tracebacks() -> None:
+    with RankPool(3, timeout=60) as pool:
+        assert pool.run(_rank_sum, 10) == [33, 33, 33]
+        with pytest.raises(RankFailure, match=r"(?s)rank 1 ---.*planted failure"):
+            pool.run(_fail_on_rank_one)
+        assert pool.run(_rank_sum, 0) == [3, 3, 3]   # the pool survives a Python error
+
+
+def test_a_rank_that_dies_raises_instead_of_hanging() -> None:
+    pool = RankPool(2, timeout=60)
+    with pytest.raises(RankFailure, match="rank 1 exited"):
+        pool.run(_exit_on_rank_one)
