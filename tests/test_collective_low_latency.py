@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from collective_inputs import odd_strides_if_empty, random_routing
 
 import tritonep as deep_ep
 from tritonep.checks import InputError
@@ -30,13 +31,8 @@ def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_topk: in
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     x = (torch.randn(num_tokens, hidden, generator=g)
          * torch.exp(torch.randn(num_tokens, 1, generator=g) * 2)).bfloat16()
-    scores = torch.rand(num_tokens, NUM_EXPERTS, generator=g)
-    topk_idx = scores.topk(num_topk, dim=1).indices if num_tokens else torch.zeros(0, num_topk, dtype=torch.int64)
-    topk_idx = torch.where(torch.rand(num_tokens, num_topk, generator=g) < drop, -1, topk_idx)
-    weights = torch.rand(num_tokens, num_topk, generator=g)
-    if num_tokens == 0:  # empty tensors may carry any strides (here 0): the backend must cope
-        x = torch.zeros(0, 1, dtype=torch.bfloat16).expand(0, hidden)
-    return x, topk_idx, weights
+    topk_idx, weights = random_routing(g, num_tokens, NUM_EXPERTS, num_topk, drop)
+    return odd_strides_if_empty(x, hidden), topk_idx, weights
 
 
 def token_counts(num_ranks: int, seed: int) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from collective_inputs import odd_strides_if_empty, random_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,13 +31,8 @@ def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_topk: in
                 drop: float = 0.25) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     x = torch.randn(num_tokens, hidden, generator=g).bfloat16()
-    scores = torch.rand(num_tokens, num_experts, generator=g)
-    topk_idx = scores.topk(num_topk, dim=1).indices if num_tokens else torch.zeros(0, num_topk, dtype=torch.int64)
-    topk_idx = torch.where(torch.rand(num_tokens, num_topk, generator=g) < drop, -1, topk_idx)
-    weights = torch.rand(num_tokens, num_topk, generator=g)
-    if num_tokens == 0:  # empty tensors may carry any strides (here 0): the backend must cope
-        x = torch.zeros(0, 1, dtype=torch.bfloat16).expand(0, hidden)
-    return x, topk_idx, weights
+    topk_idx, weights = random_routing(g, num_tokens, num_experts, num_topk, drop)
+    return odd_strides_if_empty(x, hidden), topk_idx, weights
 
 
 def brute_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
