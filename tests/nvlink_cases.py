@@ -154,3 +154,21 @@ def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) 
     except deep_ep.InputError as error:
         return str(error)
     return ""
+
+
+def padding_overflow_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -> str:
+    """num_worst_tokens smaller than what arrives: that dispatch cannot raise (it never syncs),
+    so the next call must raise on every rank, before any communication."""
+    nvlink, _ = _buffers(group, nvl_bytes)
+    num_experts = 4 * group.size()
+    topk_idx = torch.tensor([[0, 1]] * 8, device=nvlink.device)   # every rank sends 8 tokens to rank 0
+    x = torch.randn(8, 128, device=nvlink.device).to(torch.bfloat16)
+    per_rank, _, per_expert, in_rank, _ = nvlink.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, _, _, _, handle, _ = nvlink.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=torch.rand(8, 2, device=nvlink.device), num_worst_tokens=4)
+    try:
+        nvlink.combine(recv_x, handle)
+    except deep_ep.InputError as error:
+        return str(error)
+    return ""

@@ -14,7 +14,7 @@ import os
 import random
 
 import pytest
-from nvlink_cases import Case, compare_case, invalid_expert_id_error
+from nvlink_cases import Case, compare_case, invalid_expert_id_error, padding_overflow_error
 
 from tritonep.launch import RankPool
 
@@ -67,6 +67,13 @@ def test_interpreter_repeated_calls_reuse_staging(interpreter_pools) -> None:
     pool = interpreter_pools(2)
     for seed, num_sms in zip(range(20, 24), (4, 2, 7, 4)):
         _check(pool, Case(seed=seed, tokens=(17, 23), hidden=128, num_experts=8, num_topk=2, num_sms=num_sms))
+
+
+def test_interpreter_too_small_num_worst_tokens_raises_on_next_call(interpreter_pools) -> None:
+    pool = interpreter_pools(2)
+    messages = pool.run(padding_overflow_error)
+    assert all("num_worst_tokens=4" in m and "received 16 rows" in m for m in messages), messages
+    _check(pool, Case(seed=31, tokens=(9, 14), hidden=128, num_experts=8, num_topk=2))   # still usable
 
 
 # ------------------------------------------------------------------------------- GPU

@@ -80,6 +80,9 @@ class NvlinkBackend(Backend):
         self.dispatch_released = 0
         self.combine_released = 0
         self.tuning = Tuning()
+        # A num_worst_tokens dispatch does not sync, so whether its padding was large enough is
+        # checked when the next call starts: (received rows per rank, num_worst_tokens, event).
+        self._unchecked_padding: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
         from ..collective import CollectiveBackend
 
@@ -95,7 +98,9 @@ class NvlinkBackend(Backend):
 
     # ------------------------------------------------------------------ status
     def check_status(self) -> None:
-        """Raise if a kernel of an earlier call gave up waiting on a peer."""
+        """Raise if a kernel of an earlier call gave up waiting on a peer, or if an earlier
+        num_worst_tokens dispatch received more rows than it had room for."""
+        self._check_padding()
         code = int(self.status_host.numpy()[0])   # pinned host copy: no device sync
         if code:
             phase, peer = divmod(code - 1, 65536)
@@ -103,6 +108,31 @@ class NvlinkBackend(Backend):
                 f"tritonep: rank {self.rank} timed out after {self.timeout_ns / 1e9:.0f} s in phase "
                 f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or called a "
                 f"different sequence of dispatch/combine. This Buffer cannot be used any more.")
+
+    def _remember_padding(self, rank_prefix_matrix: torch.Tensor, num_worst_tokens: int) -> None:
+        received = torch.empty(self.num_ranks, dtype=torch.int32, pin_memory=not INTERPRET)
+        received.copy_(rank_prefix_matrix[-1], non_blocking=True)
+        event = None
+        if not INTERPRET:
+            event = torch.cuda.Event()
+            event.record()
+        self._unchecked_padding = (received, num_worst_tokens, event)
+
+    def _check_padding(self) -> None:
+        """Every rank holds the same received counts, so with equal num_worst_tokens every rank
+        raises here, at the same call, before any communication."""
+        if self._unchecked_padding is None or (not INTERPRET and torch.cuda.is_current_stream_capturing()):
+            return
+        received, limit, event = self._unchecked_padding
+        self._unchecked_padding = None
+        if event is not None:
+            event.synchronize()   # recorded a call ago: normally finished long since
+        counts = received.tolist()
+        if max(counts) > limit:
+            worst = counts.index(max(counts))
+            raise InputError(f"the previous dispatch had num_worst_tokens={limit}, but rank {worst} received "
+                             f"{max(counts)} rows: rows past num_worst_tokens were dropped there. Use a larger "
+                             f"num_worst_tokens (an upper bound on any rank's received rows).")
 
     def _check_agreement(self, ranks_disagreeing: int, invalid_ids: int) -> None:
         """Raise on every rank, before any row moves, if the count exchange found a problem."""
@@ -180,6 +210,7 @@ class NvlinkBackend(Backend):
                     raise InputError(f"num_worst_tokens={num_out_rows} does not fit the NVLink buffer ({capacity} "
                                      f"rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
                 per_expert = []
+                self._remember_padding(prefix, num_out_rows)
             else:
                 self._after_launch()
                 host = result.tolist()   # the host sync: output sizes depend on peers' counts
