@@ -33,6 +33,7 @@ class Case:
     expert_alignment: int = 1
     bias: bool = False
     routing: str = "random"        # random | skewed | one_rank | none
+    column_major_scales: bool = False
     num_sms: int = 8
 
 
@@ -67,6 +68,9 @@ def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
     inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": torch.rand(n, k, generator=generator)}
     # Cast once, on the CPU: both backends must then move identical fp8 bytes and scales.
     inputs["dispatch_x"] = utils.per_token_cast_to_fp8(x) if case.fp8 else x
+    if case.fp8 and case.column_major_scales:
+        data, scales = inputs["dispatch_x"]
+        inputs["dispatch_x"] = (data, scales.t().contiguous().t())   # same values, strides (1, N)
     if case.bias:
         inputs["bias"] = torch.randn(n, case.hidden, generator=generator).to(torch.bfloat16)
     return inputs
@@ -99,7 +103,11 @@ def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device)
 
 
 def _to_device(value, device: torch.device):
-    return tuple(v.to(device) for v in value) if isinstance(value, tuple) else value.to(device)
+    """Moves keep strides (a column-major scales tensor stays column-major)."""
+    if isinstance(value, tuple):
+        return tuple(v.t().to(device).t() if v.dim() == 2 and v.stride(0) == 1 and v.shape[1] > 1 else v.to(device)
+                     for v in value)
+    return value.to(device)
 
 
 def _to_cpu(value):

@@ -53,6 +53,8 @@ INTERPRETER_CASES = [
     Case(seed=6, tokens=(8, 8), hidden=128, num_experts=8, num_topk=2, routing="none"),
     Case(seed=7, tokens=(21, 13, 0), hidden=128, num_experts=6, num_topk=2, bias=True),
     Case(seed=8, tokens=(10, 31, 7), hidden=256, num_experts=12, num_topk=3, fp8=True, num_sms=6),
+    Case(seed=9, tokens=(19, 6), hidden=384, num_experts=8, num_topk=2, fp8=True, column_major_scales=True),
+    Case(seed=10, tokens=(5, 0, 12, 9), hidden=128, num_experts=8, num_topk=3, bias=True, num_sms=4),
 ]
 
 
