@@ -180,3 +180,29 @@ def padding_overflow_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -
     except deep_ep.InputError as error:
         return str(error)
     return ""
+
+
+def low_latency_only_buffer(group: dist.ProcessGroup) -> tuple[bool, str]:
+    """A decode-style Buffer (num_nvl_bytes=0, low_latency_mode) on the NVLink backend: the
+    low-latency round trip works, normal-mode dispatch raises a clear error."""
+    os.environ["TRITONEP_BACKEND"] = "nvlink"
+    try:
+        T, hidden, num_experts = 8, 128, 4 * group.size()
+        buffer = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            T, hidden, group.size(), num_experts), low_latency_mode=True)
+    finally:
+        os.environ.pop("TRITONEP_BACKEND")
+    device = buffer.device
+    x = torch.randn(T, hidden, device=device).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.randperm(num_experts, device=device)[:2] for _ in range(T)])
+    weights = torch.rand(T, 2, device=device)
+    recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, num_experts, use_fp8=False)
+    combined, _, _ = buffer.low_latency_combine(recv_x, topk_idx, weights, handle)   # identity experts
+    expected = (x.float() * weights.sum(1, keepdim=True)).to(torch.bfloat16)
+    round_trip_ok = torch.allclose(combined.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    try:
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    except deep_ep.InputError as error:
+        return round_trip_ok, str(error)
+    return round_trip_ok, ""

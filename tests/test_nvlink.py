@@ -14,7 +14,7 @@ import os
 import random
 
 import pytest
-from nvlink_cases import Case, compare_case, invalid_expert_id_error, padding_overflow_error
+from nvlink_cases import Case, compare_case, invalid_expert_id_error, low_latency_only_buffer, padding_overflow_error
 
 from tritonep.launch import RankPool
 
@@ -78,6 +78,12 @@ def test_interpreter_too_small_num_worst_tokens_raises_on_next_call(interpreter_
     _check(pool, Case(seed=31, tokens=(9, 14), hidden=128, num_experts=8, num_topk=2))   # still usable
 
 
+def test_interpreter_low_latency_only_buffer(interpreter_pools) -> None:
+    results = interpreter_pools(2).run(low_latency_only_buffer)
+    assert all(ok for ok, _ in results), results
+    assert all("needs num_nvl_bytes > 0" in message for _, message in results), results
+
+
 # ------------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def gpu_pool():
@@ -131,3 +137,10 @@ def test_gpu_invalid_expert_id_raises_on_every_rank(gpu_pool) -> None:
     assert all("outside [-1, num_experts)" in m for m in messages), messages
     # The buffer stays usable after the refused call.
     _check(gpu_pool, Case(seed=99, tokens=(100, 50), hidden=2048, num_experts=16, num_topk=4), nvl_bytes=1 << 30)
+
+
+@pytest.mark.gpu
+def test_gpu_low_latency_only_buffer(gpu_pool) -> None:
+    results = gpu_pool.run(low_latency_only_buffer)
+    assert all(ok for ok, _ in results), results
+    assert all("needs num_nvl_bytes > 0" in message for _, message in results), results

@@ -62,12 +62,12 @@ class NvlinkBackend(Backend):
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  low_latency_mode: bool) -> None:
         super().__init__(group, buffer_id)
-        if num_nvl_bytes <= 0:
-            raise InputError("the NVLink backend needs num_nvl_bytes > 0 for its receive areas "
-                             "(e.g. tritonep.buffer.nvl_bytes_for(num_tokens, hidden, num_ranks))")
         self._device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
-        self.memory = SymmetricBuffer(group, num_nvl_bytes, self._device, interpret=INTERPRET)
-        self.half_bytes = self.memory.data_bytes // 2 // 4096 * 4096
+        # A low-latency-only Buffer (num_nvl_bytes=0, as decode servers make them) has no staging
+        # area; normal-mode calls then raise (_require_memory).
+        self._memory = SymmetricBuffer(group, num_nvl_bytes, self._device, interpret=INTERPRET) \
+            if num_nvl_bytes > 0 else None
+        self.half_bytes = self._memory.data_bytes // 2 // 4096 * 4096 if self._memory is not None else 0
         self.status = torch.zeros(1, dtype=torch.int64, device=self._device)
         self.invalid_ids = torch.zeros(1, dtype=torch.int32, device=self._device)
         self.status_host = self.status if INTERPRET else torch.zeros(1, dtype=torch.int64, pin_memory=True)
@@ -92,6 +92,14 @@ class NvlinkBackend(Backend):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def memory(self) -> SymmetricBuffer:
+        if self._memory is None:
+            raise InputError("normal-mode dispatch/combine on the NVLink backend needs num_nvl_bytes > 0 for its "
+                             "receive areas; make the Buffer with num_nvl_bytes=tritonep.buffer.nvl_bytes_for("
+                             "num_tokens, hidden, num_ranks)")
+        return self._memory
 
     def comm_stream(self) -> torch.cuda.Stream | None:
         return self._stream
@@ -339,7 +347,8 @@ class NvlinkBackend(Backend):
         if self._stream is not None:
             torch.cuda.synchronize(self._device)
         dist.barrier(group=self.group)
-        self.memory.release()
+        if self._memory is not None:
+            self._memory.release()
         self.low_latency.destroy()
 
 
