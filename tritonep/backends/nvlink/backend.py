@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ...checks import InputError
 from ...config import Config
 from ...handles import DispatchHandle, LowLatencyHandle
-from ...routing import round_up_counts
+from ...routing import count_matrix_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_kernel import combine_kernel
 from .dispatch_kernel import dispatch_kernel
@@ -80,6 +80,7 @@ class NvlinkBackend(Backend):
         self.dispatch_released = 0
         self.combine_released = 0
         self.tuning = Tuning()
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         # A num_worst_tokens dispatch does not sync, so whether its padding was large enough is
         # checked when the next call starts: (received rows per rank, num_worst_tokens, event).
         self._unchecked_padding: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
@@ -158,8 +159,11 @@ class NvlinkBackend(Backend):
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """A one-element tensor passed for an absent output: the kernel's branches that store
-        to staging or to the output must see pointers of the same element type."""
-        return torch.empty(1, dtype=dtype, device=self._device)
+        to staging or to the output must see pointers of the same element type. Made once per
+        dtype, not on every call."""
+        if dtype not in self._placeholders:
+            self._placeholders[dtype] = torch.empty(1, dtype=dtype, device=self._device)
+        return self._placeholders[dtype]
 
     # ------------------------------------------------------------------ memory regions
     def _dispatch_regions(self, x_words: int, scale_words: int, num_topk: int) -> tuple[int, list[int]]:
@@ -224,10 +228,9 @@ class NvlinkBackend(Backend):
                 host = result.tolist()   # the host sync: output sizes depend on peers' counts
                 self.check_status()
                 self._check_agreement(host[-2], host[-1])
-                prefix_rows = [host[i * R:(i + 1) * R] for i in range(R)]
-                received = prefix_rows[-1]
-                sent_totals = [sum(prefix_rows[0])] + [sum(b) - sum(a) for a, b in zip(prefix_rows, prefix_rows[1:])]
-                max_send_rows = max(sent_totals)
+                prefix_host = torch.tensor(host[: R * R]).view(R, R)
+                received = prefix_host[-1].tolist()
+                max_send_rows = int(count_matrix_from_prefix(prefix_host).sum(1).max())
                 if max(received) > capacity:
                     worst = received.index(max(received))
                     raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
