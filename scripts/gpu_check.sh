@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full]   quick: a subset of the GPU tests, no benchmark sweep
+#   bash scripts/gpu_check.sh [quick|full|ll]   quick: a subset of the GPU tests, no benchmark sweep;
+#                                             ll: the low-latency tests and benchmark only
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -22,14 +23,17 @@ status=0
 cat "$OUT/system.txt"
 
 if [ "$MODE" = quick ]; then
-  selection=(-k "variants or 7168 or race")
+  tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py -k "variants or 7168 or race or graph")
   bench_args=()
+elif [ "$MODE" = ll ]; then
+  tests=(tests/test_nvlink_low_latency.py)
+  bench_args=(--skip-normal)
 else
-  selection=()
+  tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py)
   bench_args=(--sweep)
 fi
 echo "== GPU tests ($MODE)"
-timeout 420 python3 -m pytest -q -x -m gpu tests/test_nvlink.py "${selection[@]}" -p no:cacheprovider \
+timeout 420 python3 -m pytest -q -x -m gpu "${tests[@]}" -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -18,11 +18,13 @@ from triton.compiler import ASTSource  # noqa: E402
 from tritonep.backends.nvlink.combine_kernel import combine_kernel  # noqa: E402
 from tritonep.backends.nvlink.dispatch_kernel import dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.layout_kernel import dispatch_layout_kernel  # noqa: E402
+from tritonep.backends.nvlink.low_latency_combine_kernel import low_latency_combine_kernel  # noqa: E402
+from tritonep.backends.nvlink.low_latency_dispatch_kernel import low_latency_dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.notify_kernel import notify_dispatch_kernel  # noqa: E402
 
 POINTER_TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16",
-                 torch.bool: "*i1"}
-I32, I64, F32, BF16, BOOL = torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool
+                 torch.bool: "*i1", torch.int8: "*i8"}
+I32, I64, F32, BF16, BOOL, I8 = torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool, torch.int8
 
 
 def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4):
@@ -91,4 +93,41 @@ def test_combine_kernel_compiles(has_weights: bool, has_bias: bool) -> None:
         dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=2, RANKS_PAD=2,
              NUM_SENDERS=12, NUM_REDUCERS=12, HAS_WEIGHTS=has_weights, NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias,
              HAS_BIAS1=has_bias, ROWS=8, COPY_BLOCK=2048, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
+        num_warps=16)
+
+
+# The low-latency kernels in each mode: fused (one launch), send half, receive half.
+LOW_LATENCY_MODES = [(True, True), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("do_send,do_recv", LOW_LATENCY_MODES)
+@pytest.mark.parametrize("use_fp8,use_ue8m0", [(True, False), (True, True), (False, False)])
+def test_low_latency_dispatch_kernel_compiles(do_send: bool, do_recv: bool, use_fp8: bool, use_ue8m0: bool) -> None:
+    scales = I32 if use_ue8m0 else F32
+    kernel = compile_for_hopper(
+        low_latency_dispatch_kernel,
+        dict(x_ptr=BF16 if use_fp8 else I32, x_row_stride=7168, topk_idx_ptr=I64, num_tokens=128, out_x_ptr=I32,
+             out_scales_ptr=scales if use_fp8 else BF16, out_src_info_ptr=I32, out_topk_slot_ptr=I8,
+             out_layout_range_ptr=I64, out_count_ptr=I32, recv_stats_ptr=I32, wait_stats_ptr=I64, peer_base_ptrs=I64,
+             area=1 << 16, slot=1, slot_bytes=1 << 30, rank=1, status_address=1 << 40, timeout_ns=60 * 10**9,
+             num_max_tokens=128, experts_per_rank=144),
+        dict(NUM_RANKS=2, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=use_fp8,
+             ROUND_SCALE=use_ue8m0, USE_UE8M0=use_ue8m0, HAS_RECV_STATS=True, HAS_WAIT_STATS=True, DO_SEND=do_send,
+             DO_RECV=do_recv, GROUPS_PAD=64, ROWS=2, BLOCK=2048),
+        num_warps=16)
+    if use_fp8 and do_send:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("do_send,do_recv", LOW_LATENCY_MODES)
+def test_low_latency_combine_kernel_compiles(do_send: bool, do_recv: bool) -> None:
+    compile_for_hopper(
+        low_latency_combine_kernel,
+        dict(x_ptr=I32, expert_stride=256 * 3584, row_stride=3584, src_info_ptr=I32, topk_slot_ptr=I8,
+             layout_range_ptr=I64, topk_idx_ptr=I64, topk_weights_ptr=F32, num_tokens=128, out_ptr=BF16,
+             out_row_stride=7168, peer_base_ptrs=I64, area=1 << 16, slot=0, combine_offset=1 << 31,
+             slot_bytes=1 << 25, rank=0, status_address=1 << 40, timeout_ns=60 * 10**9, num_max_tokens=128,
+             experts_per_rank=144),
+        dict(NUM_RANKS=2, HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8, DO_SEND=do_send, DO_RECV=do_recv, ROWS=2, BLOCK=2048,
+             REDUCE_BLOCK=2048),
         num_warps=16)

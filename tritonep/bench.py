@@ -11,7 +11,8 @@ On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing
   of the already-permuted rows;
 * the link ceiling: the copy engine pushing the same remote bytes into a peer's symmetric
   memory while every GPU does the same;
-* with ``--sweep``, a curve over num_sms and a few kernel shapes.
+* with ``--sweep``, a curve over num_sms and a few kernel shapes;
+* the low-latency (decode) calls, see ``bench_low_latency`` (``--ll-tokens``, ``--ll-experts``).
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). Times are medians of CUDA-event
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
-from tritonep import utils
+from tritonep import bench_low_latency, utils
 from tritonep.launch import RankPool
 
 
@@ -269,12 +270,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
+    parser.add_argument("--ll-tokens", type=int, default=128 if gpus >= 2 else 16,
+                        help="low-latency part: tokens per rank (T)")
+    parser.add_argument("--ll-experts", type=int, default=288 if gpus >= 2 else 16)
+    parser.add_argument("--skip-normal", action="store_true", help="only the low-latency part")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     use_gpu = gpus >= 2 and not args.cpu
+    backends = ["nvlink", "collective"] if use_gpu else ["collective"]
     with RankPool(args.ranks if not use_gpu else min(args.ranks, gpus), use_gpu=use_gpu, timeout=1200) as pool:
-        report = pool.run(run_rank, args)[0]
-    print_table(report)
+        report = {} if args.skip_normal else pool.run(run_rank, args)[0]
+        report["low_latency"] = pool.run(bench_low_latency.run_rank, args, backends)[0]
+    if not args.skip_normal:
+        print_table(report)
+    bench_low_latency.print_table(report["low_latency"])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench.json")
     with open(path, "w") as f:

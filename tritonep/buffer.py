@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import checks
 from .backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
+from .backends.nvlink.low_latency_layout import LowLatencyRegions
 from .checks import require
 from .config import Config
 from .event import EventOverlap, capture_event
@@ -27,13 +28,11 @@ _buffer_ids = itertools.count(1)
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                              num_experts: int) -> int:
-    """Bytes of the low-latency area: two (double-buffered) sets of a receive area for
-    [E, T] fp8-or-bf16 rows with scales and a combine area of [E, T] bf16 rows."""
-    rows = num_experts * num_max_dispatch_tokens_per_rank
-    dispatch_row_bytes = hidden * 2 + (hidden // 128) * 4 + 16
-    combine_row_bytes = hidden * 2
-    per_set = rows * (dispatch_row_bytes + combine_row_bytes)
-    return _round_up(2 * per_set, 1 << 20)
+    """Bytes of the low-latency area (``num_rdma_bytes``): control words plus two (double-buffered)
+    sets of a dispatch receive area for [E, T] fp8-or-bf16 messages, a combine receive area for
+    [T, 11] bf16 rows and a zero-copy combine buffer of [E, T] bf16 rows."""
+    regions = LowLatencyRegions(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    return _round_up(regions.total_bytes, 1 << 20)
 
 
 def nvl_bytes_for(num_tokens: int, hidden: int, num_ranks: int, num_topk: int = 8) -> int:
@@ -396,7 +395,7 @@ class Buffer:
         request = self._check_low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        with on_comm_stream(self.backend.comm_stream(), None, async_finish, (x, topk_idx)) as scope:
+        with on_comm_stream(self.backend.low_latency_stream(async_finish), None, async_finish, (x, topk_idx)) as scope:
             result = self.backend.low_latency_dispatch(request)
             scope.keep(result.packed_recv_x, result.packed_recv_count)
         return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, result.hook
@@ -447,7 +446,8 @@ class Buffer:
         if out is not None:
             checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden),
                                 device=self.device)
-        with on_comm_stream(self.backend.comm_stream(), None, async_finish, (x, topk_idx, topk_weights)) as scope:
+        inputs = (x, topk_idx, topk_weights)
+        with on_comm_stream(self.backend.low_latency_stream(async_finish), None, async_finish, inputs) as scope:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
                                                               return_recv_hook, out)
             scope.keep(combined)

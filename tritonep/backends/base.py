@@ -86,6 +86,10 @@ class Backend(abc.ABC):
         """The stream communication runs on, or None when calls are synchronous (CPU)."""
         return None
 
+    def low_latency_stream(self, async_finish: bool) -> torch.cuda.Stream | None:
+        """The stream low-latency calls run on (None: the caller's stream)."""
+        return self.comm_stream()
+
     # ---- normal mode ---------------------------------------------------------------------
     @abc.abstractmethod
     def get_dispatch_layout(

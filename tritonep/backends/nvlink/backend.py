@@ -3,8 +3,8 @@
 Per normal-mode call the host does little: launch the send-plan/count-exchange kernel, read
 back the receive counts (the one host sync of a non-cached dispatch; none with
 ``num_worst_tokens``), allocate outputs, and launch one dispatch or combine kernel. The
-kernels are in this folder, one file each. Low-latency mode runs on the collective backend
-over NCCL for now (same semantics, not yet Triton kernels).
+kernels are in this folder, one file each. Low-latency mode is ``low_latency.py``: its own
+symmetric allocation (``num_rdma_bytes``) and two kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchR
 from .combine_kernel import combine_kernel
 from .dispatch_kernel import dispatch_kernel
 from .layout_kernel import dispatch_layout
+from .low_latency import LowLatencyEngine
 from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import notify_dispatch
 from .sync import GPU_KERNELS, INTERPRET, PHASE_NAMES
@@ -85,10 +86,9 @@ class NvlinkBackend(Backend):
         # checked when the next call starts: (received rows per rank, num_worst_tokens, event).
         self._unchecked_padding: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
-        from ..collective import CollectiveBackend
-
-        # Low-latency mode: the collective implementation over this (NCCL) group.
-        self.low_latency = CollectiveBackend(group, buffer_id, 0, num_rdma_bytes, low_latency_mode)
+        # Low-latency mode has its own allocation (the front end checks its size per call).
+        self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device) \
+            if low_latency_mode and num_rdma_bytes > 0 else None
 
     @property
     def device(self) -> torch.device:
@@ -102,8 +102,20 @@ class NvlinkBackend(Backend):
                              "num_tokens, hidden, num_ranks)")
         return self._memory
 
+    @property
+    def low_latency(self) -> LowLatencyEngine:
+        if self._low_latency is None:
+            raise InputError("low-latency calls on the NVLink backend need a Buffer made with low_latency_mode=True "
+                             "and num_rdma_bytes from Buffer.get_low_latency_rdma_size_hint(...)")
+        return self._low_latency
+
     def comm_stream(self) -> torch.cuda.Stream | None:
         return self._stream
+
+    def low_latency_stream(self, async_finish: bool) -> torch.cuda.Stream | None:
+        """Low-latency calls run on the caller's stream (one launch, nothing to overlap with)
+        unless the caller asked for an event to wait on."""
+        return self._stream if async_finish else None
 
     # ------------------------------------------------------------------ status
     def check_status(self) -> None:
@@ -321,27 +333,25 @@ class NvlinkBackend(Backend):
         self._after_launch()
         return out, out_weights
 
-    # ------------------------------------------------------------------ low-latency mode (collective)
+    # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        return self.low_latency.low_latency_dispatch(request)
+        return self.low_latency.dispatch(request)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
                             out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        return self.low_latency.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook,
-                                                    out)
+        return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self.low_latency.get_next_low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        self.low_latency.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.low_latency.clean()
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None, offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:
-        if use_rdma_buffer:
-            return self.low_latency.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
-        data = self.memory.local[self.memory.data_offset + offset:]
+        data = self.low_latency.local_bytes() if use_rdma_buffer else self.memory.local[self.memory.data_offset:]
+        data = data[offset:]
         element = torch.empty((), dtype=dtype).element_size()
         view = data[: data.numel() // element * element].view(dtype)
         return view if size is None else view[: torch.Size(size).numel()].view(size)
@@ -352,7 +362,8 @@ class NvlinkBackend(Backend):
         dist.barrier(group=self.group)
         if self._memory is not None:
             self._memory.release()
-        self.low_latency.destroy()
+        if self._low_latency is not None:
+            self._low_latency.release()
 
 
 def _pow2(value: int) -> int:

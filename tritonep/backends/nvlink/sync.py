@@ -32,12 +32,20 @@ PHASE_DISPATCH_SLOT = tl.constexpr(2)     # sender waiting for the receiver to f
 PHASE_DISPATCH_DATA = tl.constexpr(3)     # receiver waiting for rows from a sender
 PHASE_COMBINE_SLOT = tl.constexpr(4)
 PHASE_COMBINE_DATA = tl.constexpr(5)
+PHASE_LL_DISPATCH_SLOT = tl.constexpr(6)  # low-latency sender waiting for the peer to finish call m-2
+PHASE_LL_DISPATCH_DATA = tl.constexpr(7)
+PHASE_LL_COMBINE_SLOT = tl.constexpr(8)
+PHASE_LL_COMBINE_DATA = tl.constexpr(9)
 PHASE_NAMES = {
     1: "count exchange (notify)",
     2: "dispatch: waiting for the peer to release its receive area",
     3: "dispatch: waiting for rows from the peer",
     4: "combine: waiting for the peer to release its receive area",
     5: "combine: waiting for rows from the peer",
+    6: "low_latency_dispatch: waiting for the peer to finish receiving the call before last",
+    7: "low_latency_dispatch: waiting for rows from the peer",
+    8: "low_latency_combine: waiting for the peer to finish receiving the call before last",
+    9: "low_latency_combine: waiting for rows from the peer",
 }
 # Spins that stand in for the timeout in the interpreter (each spin is a Python call).
 INTERPRETER_MAX_SPINS = 2_000_000
@@ -101,3 +109,20 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
         value = target + (1 << 56)
     tl.debug_barrier()
     return value
+
+
+@triton.jit
+def last_program_done(done_ptr):
+    """True in exactly one program of the launch: the last to call this.
+
+    Each program adds one to a local counter after its work; the program that brings it to
+    ``num_programs`` resets it to zero for the next launch (which starts only after this one
+    ends, in stream order) and may then publish "the whole launch is done". The acq_rel
+    atomic chains every program's earlier stores before whatever the last one releases.
+    """
+    tl.debug_barrier()
+    previous = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+    last = previous == tl.num_programs(0) - 1
+    if last:
+        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+    return last

@@ -1,0 +1,256 @@
+"""Low-latency cases run on the NVLink backend and on the CPU backend, compared.
+
+Run on every rank of a RankPool: the NVLink side on the pool's group (NCCL on GPUs, or gloo
+under ``TRITON_INTERPRET=1``), the oracle on a gloo group over CPU copies. Both backends
+order an expert's rows by source rank, then token, so dispatch outputs must match bit for
+bit: counts, src_info (-1 past the count), layout_range, e4m3 bytes and scales of the valid
+rows, stats. Combine must match within bf16 rounding (the sums run in another order).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import tritonep as deep_ep
+
+_state: dict = {}
+
+
+@dataclass
+class LowLatencyCase:
+    seed: int
+    tokens: tuple[int, ...]       # tokens per rank, each <= T
+    T: int
+    hidden: int
+    num_experts: int
+    num_topk: int
+    use_fp8: bool = True
+    round_scale: bool = False
+    use_ue8m0: bool = False
+    hook: bool = False
+    zero_copy: bool = False
+    use_out: bool = False
+    routing: str = "random"       # random | skewed | one_expert | none
+    calls: int = 1                # back-to-back dispatch+combine rounds (slots alternate)
+
+
+def buffers(group: dist.ProcessGroup, rdma_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
+    if _state.get("rdma_bytes", 0) < rdma_bytes:
+        os.environ["TRITONEP_BACKEND"] = "nvlink"
+        try:
+            _state["nvlink"] = deep_ep.Buffer(group, num_rdma_bytes=rdma_bytes, low_latency_mode=True)
+        finally:
+            os.environ.pop("TRITONEP_BACKEND")
+        _state["rdma_bytes"] = rdma_bytes
+        if "gloo" not in _state:
+            _state["gloo"] = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
+        os.environ["TRITONEP_BACKEND"] = "collective"
+        try:
+            _state["cpu"] = deep_ep.Buffer(_state["gloo"], num_rdma_bytes=rdma_bytes, low_latency_mode=True)
+        finally:
+            os.environ.pop("TRITONEP_BACKEND")
+    return _state["nvlink"], _state["cpu"]
+
+
+def make_inputs(case: LowLatencyCase, rank: int, round_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(case.seed * 7919 + round_index * 101 + rank)
+    n, k, e = case.tokens[rank], case.num_topk, case.num_experts
+    x = (torch.randn(n, case.hidden, generator=generator)
+         * torch.exp(torch.randn(n, 1, generator=generator))).to(torch.bfloat16)
+    scores = torch.rand(n, e, generator=generator)
+    if case.routing == "skewed":
+        scores[:, : max(1, e // 8)] += 2.0
+    elif case.routing == "one_expert":
+        scores[:, 0] += 10.0
+    topk_idx = scores.topk(k, dim=1).indices
+    if case.routing == "none":
+        topk_idx.fill_(-1)
+    else:
+        topk_idx[torch.rand(n, k, generator=generator) < 0.1] = -1
+    return x, topk_idx, torch.rand(n, k, generator=generator)
+
+
+def expert_outputs(packed, use_fp8: bool, rank: int) -> torch.Tensor:
+    """A stand-in expert per local expert e: rows * (global id + 1) / 8, from the (dequantised)
+    dispatch output, so a row sent to the wrong expert or token shows."""
+    if use_fp8:
+        data, scales = packed
+        if scales.dtype == torch.int32:
+            factors = deep_ep.fp8.unpack_ue8m0(scales)[..., : data.shape[-1] // 128]
+        else:
+            factors = scales
+        rows = data.float().view(*data.shape[:2], -1, 128) * factors.float().unsqueeze(-1)
+        rows = rows.view(data.shape)
+    else:
+        rows = packed.float()
+    experts = rows.shape[0]
+    factor = (torch.arange(experts, dtype=torch.float32, device=rows.device) + rank * experts + 1) / 8
+    return (rows * factor.view(-1, 1, 1)).to(torch.bfloat16)
+
+
+def _round(buffer: deep_ep.Buffer, case: LowLatencyCase, inputs, device: torch.device, stats: dict) -> dict:
+    x, topk_idx, weights = (t.to(device) for t in inputs)
+    packed, count, handle, _, hook = buffer.low_latency_dispatch(
+        x, topk_idx, case.T, case.num_experts, cumulative_local_expert_recv_stats=stats["recv"],
+        use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, return_recv_hook=case.hook)
+    if hook is not None:
+        hook()
+    expert_out = expert_outputs(packed, case.use_fp8, buffer.rank)
+    source = expert_out
+    if case.zero_copy:
+        source = buffer.get_next_low_latency_combine_buffer(handle)
+        source.copy_(expert_out)
+    out = torch.full((x.shape[0], case.hidden), 3.0, dtype=torch.bfloat16, device=device) if case.use_out else None
+    combined, _, hook = buffer.low_latency_combine(source, topk_idx, weights, handle, zero_copy=case.zero_copy,
+                                                   return_recv_hook=case.hook, out=out)
+    if hook is not None:
+        hook()
+    if out is not None:
+        assert combined.data_ptr() == out.data_ptr()
+    src_info, layout_range = handle[0], handle[1]
+    valid = [int(c) for c in count.cpu()]
+    result = {"count": count, "src_info": src_info, "layout_range": layout_range, "combined": combined}
+    data = packed[0] if case.use_fp8 else packed
+    result["rows"] = [data[e, :valid[e]].cpu() for e in range(len(valid))]
+    if case.use_fp8:
+        result["scales"] = [packed[1][e, :valid[e]].cpu() for e in range(len(valid))]
+    return {key: (value.cpu() if isinstance(value, torch.Tensor) else value) for key, value in result.items()}
+
+
+def _differences(name: str, got, expected) -> list[str]:
+    if isinstance(expected, list):
+        return [m for i, (g, e) in enumerate(zip(got, expected)) for m in _differences(f"{name}[{i}]", g, e)]
+    if got.shape != expected.shape:
+        return [f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}"]
+    if name.endswith("combined"):
+        ok = torch.allclose(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    elif got.dtype.itemsize == 1:
+        ok = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    else:
+        ok = torch.equal(got, expected)
+    if ok:
+        return []
+    return [f"{name}: differs ({(got.float() != expected.float()).sum().item()} elements)"]
+
+
+def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase) -> list[str]:
+    """Mismatches on this rank (empty when the NVLink and CPU backends agree)."""
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(), case.num_experts)
+    nvlink, cpu = buffers(group, rdma_bytes)
+    experts_local = case.num_experts // group.size()
+    stats = {"nvlink": {"recv": torch.zeros(experts_local, dtype=torch.int32, device=nvlink.device)},
+             "cpu": {"recv": torch.zeros(experts_local, dtype=torch.int32)}}
+    problems: list[str] = []
+    for round_index in range(case.calls):
+        inputs = make_inputs(case, group.rank(), round_index)
+        got = _round(nvlink, case, inputs, nvlink.device, stats["nvlink"])
+        expected = _round(cpu, case, inputs, torch.device("cpu"), stats["cpu"])
+        for key in expected:
+            problems += [f"call {round_index}: {m}" for m in _differences(key, got[key], expected[key])]
+    problems += _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"])
+    return problems
+
+
+def two_batches_reverse_hooks(group: dist.ProcessGroup, seed: int) -> list[str]:
+    """Two dispatches in flight (both slots), hooks called in reverse order, then both combines
+    with hooks in reverse order: results must equal the one-at-a-time CPU backend's."""
+    case = LowLatencyCase(seed=seed, tokens=tuple(6 for _ in range(group.size())), T=8, hidden=256,
+                          num_experts=4 * group.size(), num_topk=3, use_fp8=False)
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(), case.num_experts)
+    nvlink, cpu = buffers(group, rdma_bytes)
+    device = nvlink.device
+    batches = [make_inputs(case, group.rank(), i) for i in range(2)]
+    launched = []
+    for x, topk_idx, _ in batches:
+        packed, count, handle, _, hook = nvlink.low_latency_dispatch(x.to(device), topk_idx.to(device), case.T,
+                                                                     case.num_experts, use_fp8=False,
+                                                                     return_recv_hook=True)
+        launched.append((packed, count, handle, hook))
+    for _, _, _, hook in reversed(launched):
+        hook()
+    combine_hooks, results = [], []
+    for (packed, _, handle, _), (_, topk_idx, weights) in zip(launched, batches):
+        combined, _, hook = nvlink.low_latency_combine(expert_outputs(packed, False, nvlink.rank), topk_idx.to(device),
+                                                       weights.to(device), handle, return_recv_hook=True)
+        combine_hooks.append(hook)
+        results.append(combined)
+    for hook in reversed(combine_hooks):
+        hook()
+    problems = []
+    for index, ((x, topk_idx, weights), combined) in enumerate(zip(batches, results)):
+        packed, _, handle, _, _ = cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts, use_fp8=False)
+        expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, False, cpu.rank), topk_idx, weights, handle)
+        problems += _differences(f"batch {index} combined", combined.cpu(), expected)
+        problems += _differences(f"batch {index} count", launched[index][1].cpu(),
+                                 cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts, use_fp8=False)[1])
+    return problems
+
+
+def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[str]:
+    """Capture dispatch -> stand-in expert -> combine in one CUDA graph, replay it on new inputs
+    copied into the captured tensors, and compare each replay with the CPU backend."""
+    size = group.size()
+    case = LowLatencyCase(seed=seed, tokens=tuple(32 for _ in range(size)), T=32, hidden=1024,
+                          num_experts=8 * size, num_topk=4)
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, size, case.num_experts)
+    nvlink, cpu = buffers(group, rdma_bytes)
+    device = nvlink.device
+    static = [t.to(device) for t in make_inputs(case, group.rank(), 0)]
+
+    def step():
+        packed, count, handle, _, _ = nvlink.low_latency_dispatch(static[0], static[1], case.T, case.num_experts)
+        combined, _, _ = nvlink.low_latency_combine(expert_outputs(packed, True, nvlink.rank), static[1], static[2],
+                                                    handle)
+        return count, combined
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        count, combined = step()
+    problems = []
+    for replay in range(1, replays + 1):
+        inputs = make_inputs(case, group.rank(), replay)
+        for target, value in zip(static, inputs):
+            target.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        x, topk_idx, weights = inputs
+        packed, expected_count, handle, _, _ = cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts)
+        expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, True, cpu.rank), topk_idx, weights, handle)
+        problems += _differences(f"replay {replay} count", count.cpu(), expected_count)
+        problems += _differences(f"replay {replay} combined", combined.cpu(), expected)
+    return problems
+
+
+def stalled_peer_error(group: dist.ProcessGroup) -> str:
+    """Rank 0 dispatches alone: its receive must give up after TRITONEP_TIMEOUT_S and its next
+    call must raise, naming the phase and the rank it waited for."""
+    os.environ["TRITONEP_BACKEND"], os.environ["TRITONEP_TIMEOUT_S"] = "nvlink", "2"
+    try:
+        T, hidden, num_experts = 4, 256, 2 * group.size()
+        buffer = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            T, hidden, group.size(), num_experts), low_latency_mode=True)
+    finally:
+        os.environ.pop("TRITONEP_BACKEND")
+        os.environ.pop("TRITONEP_TIMEOUT_S")
+    message = ""
+    if group.rank() == 0:
+        x = torch.randn(T, hidden, device=buffer.device).to(torch.bfloat16)
+        topk_idx = torch.zeros(T, 1, dtype=torch.int64, device=buffer.device)
+        buffer.low_latency_dispatch(x, topk_idx, T, num_experts)
+        if buffer.device.type == "cuda":
+            torch.cuda.synchronize()
+        try:
+            buffer.low_latency_dispatch(x, topk_idx, T, num_experts)
+        except RuntimeError as error:
+            message = str(error)
+    dist.barrier(group=group)
+    return message

@@ -1,0 +1,267 @@
+"""Low-latency (decode) mode of the NVLink backend: the host side of two Triton kernels.
+
+Per call the host checks the call order, allocates the outputs and launches one kernel
+(``low_latency_dispatch_kernel`` / ``low_latency_combine_kernel``), or, with
+``return_recv_hook``, the send half now and the receive half when the hook runs. Nothing
+waits for the GPU, so calls can be captured in a CUDA graph and replayed: the call counters
+live on the GPU. The kernels' memory (control words, receive slots, zero-copy buffers) is
+one symmetric allocation of ``num_rdma_bytes``, laid out by ``low_latency_layout``.
+
+Calls of a kind alternate between two slots of receive memory (double buffering). Rules the
+protocol needs, each raising InputError instead of hanging when broken: a call may not reuse
+a slot whose previous call still awaits its receive hook (at most two results in flight),
+and a combine needs its dispatch received. Hooks may run in any order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ... import fp8
+from ...checks import InputError
+from ...handles import LowLatencyHandle
+from ..base import LowLatencyDispatchRequest, LowLatencyDispatchResult
+from .low_latency_combine_kernel import low_latency_combine_kernel
+from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
+from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
+from .memory import SymmetricBuffer
+from .sync import GPU_KERNELS, INTERPRET, PHASE_NAMES
+
+
+@dataclass
+class LowLatencyState:
+    """What a handle carries for its combine, besides (src_info, layout_range, T, H, E)."""
+
+    topk_slot: torch.Tensor    # int8 [E/R, R*T]: which top-k entry of its token each row is
+    received: bool = False
+
+
+def _pow2(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+class CallOrder:
+    """Host bookkeeping for one kind of call: the slot each call uses (they alternate) and the
+    sends still awaiting their receive hook."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.sent = 0
+        self.pending: dict[int, int] = {}   # slot -> call whose receive hook was not run yet
+
+    def start(self, with_hook: bool) -> tuple[int, int]:
+        """(call number, slot) of the next call."""
+        slot = self.sent % 2
+        if slot in self.pending:
+            raise InputError(f"{self.kind}: the call two calls back (same double-buffer slot) still awaits its "
+                             f"receive hook; at most two low-latency results may be in flight, call that hook first")
+        self.sent += 1
+        if with_hook:
+            self.pending[slot] = self.sent
+        return self.sent, slot
+
+    def finish(self, call: int, slot: int) -> None:
+        if self.pending.get(slot) != call:
+            raise InputError(f"{self.kind}: this receive hook was already called")
+        del self.pending[slot]
+
+
+class LowLatencyEngine:
+    def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_rdma_bytes: int, device: torch.device) -> None:
+        self.group = group
+        self.rank, self.num_ranks = group.rank(), group.size()
+        self.buffer_id = buffer_id
+        self.device = device
+        self.memory = SymmetricBuffer(group, num_rdma_bytes, device, interpret=INTERPRET)
+        self.area = self.memory.data_offset
+        self.memory.local[self.area: self.area + CONTROL_BYTES].zero_()
+        # Kernels that time out write (phase, peer) straight into this pinned host word, so
+        # checking it costs no copy and no sync.
+        self.status = torch.zeros(1, dtype=torch.int64, pin_memory=not INTERPRET)
+        self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
+        if INTERPRET:
+            self.num_programs = 3
+        else:
+            self.num_programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "2"))
+        self.warps = int(os.environ.get("TRITONEP_LL_WARPS", "16"))
+        self.dispatch_order = CallOrder("low_latency_dispatch")
+        self.combine_order = CallOrder("low_latency_combine")
+        self.combine_buffer_index = 0
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ status
+    def check_status(self) -> None:
+        code = int(self.status[0])
+        if code:
+            phase, peer = divmod(code - 1, 65536)
+            raise RuntimeError(
+                f"tritonep: rank {self.rank} timed out after {self.timeout_ns / 1e9:.0f} s in phase "
+                f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or made a "
+                f"different sequence of low-latency calls. This Buffer cannot be used any more.")
+
+    def _regions(self, T: int, hidden: int, num_experts: int) -> LowLatencyRegions:
+        if num_experts > MAX_EXPERTS or self.num_ranks > MAX_RANKS:
+            raise InputError(f"the NVLink low-latency mode supports up to {MAX_EXPERTS} experts and {MAX_RANKS} "
+                             f"ranks, got {num_experts} experts on {self.num_ranks} ranks")
+        regions = LowLatencyRegions(T, hidden, self.num_ranks, num_experts)
+        if regions.total_bytes > self.memory.data_bytes:
+            raise InputError(f"low-latency calls with T={T}, hidden={hidden}, num_experts={num_experts} need "
+                             f"num_rdma_bytes >= {regions.total_bytes} (get_low_latency_rdma_size_hint)")
+        return regions
+
+    def _launch(self, kernel, args: tuple, constants: dict, with_hook: bool) -> Callable[[], None] | None:
+        """Launch send and receive as one kernel, or the send now and return the receive."""
+        def run(do_send: bool, do_recv: bool) -> None:
+            kernel[(self.num_programs,)](*args, **constants, DO_SEND=do_send, DO_RECV=do_recv, GPU=GPU_KERNELS,
+                                         num_warps=self.warps)
+
+        if with_hook:
+            run(True, False)
+            return lambda: run(False, True)
+        if INTERPRET:   # the interpreter runs programs one after another: send before receiving
+            run(True, False)
+            run(False, True)
+        else:
+            run(True, True)
+        return None
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+        self.check_status()
+        x, topk_idx = request.x, request.topk_idx.contiguous()
+        T, num_experts = request.num_max_dispatch_tokens_per_rank, request.num_experts
+        R = self.num_ranks
+        experts_local = num_experts // R
+        num_tokens, hidden = x.shape
+        if hidden % 2 or x.stride(1) != 1:
+            raise InputError(f"the NVLink low-latency dispatch needs x with unit column stride and an even hidden, "
+                             f"got hidden={hidden}, strides {tuple(x.stride())}")
+        regions = self._regions(T, hidden, num_experts)
+        use_fp8, use_ue8m0 = request.use_fp8, request.use_ue8m0
+        slots = R * T
+        device = self.device
+        if use_fp8:
+            packed_x = torch.empty(experts_local, slots, hidden, dtype=fp8.FP8_DTYPE, device=device)
+            scale_columns = hidden // 512 if use_ue8m0 else hidden // 128
+            scale_dtype = torch.int32 if use_ue8m0 else torch.float32
+            # Column-major in the last two dims, as DeepEP's kernels write them.
+            scales_storage = torch.empty(experts_local, scale_columns, slots, dtype=scale_dtype, device=device)
+            packed: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (packed_x, scales_storage.transpose(1, 2))
+            x_arg, x_row_stride = x, x.stride(0)
+        else:
+            packed_x = torch.empty(experts_local, slots, hidden, dtype=torch.bfloat16, device=device)
+            scales_storage = packed_x
+            packed = packed_x
+            x_arg, x_row_stride = x.view(torch.int32), x.stride(0) // 2
+        packed_count = torch.empty(experts_local, dtype=torch.int32, device=device)
+        src_info = torch.empty(experts_local, slots, dtype=torch.int32, device=device)
+        layout_range = torch.empty(experts_local, R, dtype=torch.int64, device=device)
+        topk_slot = torch.empty(experts_local, slots, dtype=torch.int8, device=device)
+        recv_stats = request.cumulative_local_expert_recv_stats
+        wait_stats = request.dispatch_wait_recv_cost_stats
+        call, slot = self.dispatch_order.start(request.return_recv_hook)
+        state = LowLatencyState(topk_slot)
+        args = (x_arg, x_row_stride, topk_idx, num_tokens, packed_x.view(torch.int32), scales_storage,
+                src_info, topk_slot, layout_range, packed_count,
+                recv_stats if recv_stats is not None else packed_count,
+                wait_stats if wait_stats is not None else layout_range,
+                self.memory.peer_base_ptrs, self.area, slot, regions.dispatch_slot_bytes, self.rank,
+                self.status.data_ptr(), self.timeout_ns, T, experts_local)
+        groups = hidden // 128
+        constants = dict(
+            NUM_RANKS=R, HIDDEN=hidden, HIDDEN_PAD=_pow2(max(hidden, 128)), NUM_TOPK=topk_idx.shape[1],
+            PAIRS_PAD=_pow2(max(T * topk_idx.shape[1], 16)), USE_FP8=use_fp8, ROUND_SCALE=request.round_scale,
+            USE_UE8M0=use_ue8m0, HAS_RECV_STATS=recv_stats is not None, HAS_WAIT_STATS=wait_stats is not None,
+            GROUPS_PAD=_pow2(max(groups, 4)), ROWS=self.rows, BLOCK=2048)
+        receive = self._launch(low_latency_dispatch_kernel, args, constants, request.return_recv_hook)
+        handle = LowLatencyHandle(src_info, layout_range, T, hidden, num_experts, self.buffer_id, state)
+        if receive is None:
+            state.received = True
+            return LowLatencyDispatchResult(packed, packed_count, handle, None)
+
+        def hook() -> None:
+            self.check_status()
+            self.dispatch_order.finish(call, slot)
+            receive()
+            state.received = True
+
+        return LowLatencyDispatchResult(packed, packed_count, handle, hook)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
+                zero_copy: bool, return_recv_hook: bool,
+                out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        self.check_status()
+        state: LowLatencyState = handle.backend_state
+        if not state.received:
+            raise InputError("low_latency_combine: the dispatch of this handle was not received yet; call its "
+                             "recv hook first")
+        src_info, layout_range, T, hidden, num_experts = handle
+        source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
+        self.combine_buffer_index ^= 1
+        if source.stride(2) != 1 or source.stride(0) % 2 or source.stride(1) % 2:
+            source = source.contiguous()
+        regions = self._regions(T, hidden, num_experts)
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        num_tokens, num_topk = topk_idx.shape
+        if out is None:
+            out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self.device)
+        target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+        call, slot = self.combine_order.start(return_recv_hook)
+        args = (source.view(torch.int32), source.stride(0) // 2, source.stride(1) // 2, src_info,
+                state.topk_slot, layout_range, topk_idx, topk_weights, num_tokens, target, target.stride(0),
+                self.memory.peer_base_ptrs, self.area, slot, regions.combine_offset, regions.combine_slot_bytes,
+                self.rank, self.status.data_ptr(), self.timeout_ns, T, num_experts // self.num_ranks)
+        constants = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=num_topk, TOPK_PAD=_pow2(num_topk),
+                         ROWS=self.rows, BLOCK=2048, REDUCE_BLOCK=min(_pow2(hidden), 2048))
+        receive = self._launch(low_latency_combine_kernel, args, constants, return_recv_hook)
+
+        def copy_back() -> None:
+            if target is not out:
+                out.copy_(target)
+
+        if receive is None:
+            copy_back()
+            return out, None
+
+        def hook() -> None:
+            self.check_status()
+            self.combine_order.finish(call, slot)
+            receive()
+            copy_back()
+
+        return out, hook
+
+    # ------------------------------------------------------------------ memory
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        _, _, T, hidden, num_experts = handle
+        regions = self._regions(T, hidden, num_experts)
+        start = self.area + regions.zero_copy_offset + self.combine_buffer_index * regions.zero_copy_bytes
+        view = self.memory.local[start: start + regions.zero_copy_bytes].view(torch.bfloat16)
+        return view.view(num_experts // self.num_ranks, self.num_ranks * T, hidden)
+
+    def local_bytes(self) -> torch.Tensor:
+        return self.memory.local[self.area:]
+
+    def clean(self) -> None:
+        """Zero the control words on every rank (collective): call counters restart at 0."""
+        if self.dispatch_order.pending or self.combine_order.pending:
+            raise InputError("clean_low_latency_buffer: receive hooks of earlier calls are still pending")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self.memory.local[self.area: self.area + CONTROL_BYTES].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def release(self) -> None:
+        self.memory.release()

@@ -1,0 +1,117 @@
+"""Low-latency combine over NVLink: expert outputs go back to their tokens, weighted and summed.
+
+Send (``DO_SEND``): program p takes local experts p, p+P, ... For each source rank s it walks
+the rows the dispatch placed in ``[begin, begin + count)`` (from ``layout_range``) and writes
+row j of expert e to s's combine slot at ``[token, k]``: the dispatch recorded both the
+token (``src_info``) and which of its top-k entries chose this expert (``topk_slot``), so
+every (token, k) has its own row and nothing is summed remotely. It then publishes the call
+number in s's flag for this global expert.
+
+Receive (``DO_RECV``): program p takes (token, column block) items p, p+P, ... It waits for
+the flags of the token's experts, loads their K rows at once and writes
+``sum_k weight[t, k] * row_k`` (float32 accumulation, bf16 out). Slots, their use counters on
+the GPU and the wait for the slot's previous use work as in the dispatch kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import low_latency_layout as layout
+from .rows import copy_rows
+from .sync import PHASE_LL_COMBINE_DATA, PHASE_LL_COMBINE_SLOT, last_program_done, load_acquire, publish, wait_at_least
+
+SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 4)
+SEQUENCE_RECEIVED = tl.constexpr(layout.SEQUENCE + 6)
+DONE_SEND = tl.constexpr(layout.DONE + 2)
+DONE_RECEIVE = tl.constexpr(layout.DONE + 3)
+MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
+MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
+FREED = tl.constexpr(layout.COMBINE_FREED)
+FLAGS = tl.constexpr(layout.COMBINE_FLAGS)
+MAX_TOPK = tl.constexpr(layout.MAX_TOPK)
+
+
+@triton.jit(do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area",
+                               "combine_offset", "slot_bytes", "rank", "timeout_ns", "num_max_tokens",
+                               "experts_per_rank"])
+def low_latency_combine_kernel(
+    x_ptr, expert_stride, row_stride, src_info_ptr, topk_slot_ptr, layout_range_ptr,
+    topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, out_row_stride,
+    peer_base_ptrs, area, slot, combine_offset, slot_bytes, rank, status_address, timeout_ns, num_max_tokens,
+    experts_per_rank,
+    NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    REDUCE_BLOCK: tl.constexpr, GPU: tl.constexpr,
+):
+    """``x_ptr``: int32 view of the expert outputs [E/R, R*T, H] (strides in int32 words);
+    ``out_ptr``: bf16 [N, H]. ``status_address``: pinned host int64 for timeouts."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    status_ptr = status_address.to(tl.pointer_type(tl.int64))
+    my_area = tl.load(peer_base_ptrs + rank) + area
+    control = my_area.to(tl.pointer_type(tl.int64))
+    WORDS: tl.constexpr = HIDDEN // 2
+
+    if DO_SEND:
+        call = load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1
+        for source in range(0, NUM_RANKS):
+            wait_at_least(control + FREED + slot * MAX_RANKS + source, call - 1, status_ptr, timeout_ns,
+                          PHASE_LL_COMBINE_SLOT, source, GPU)
+        slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
+        for local_expert in range(pid, experts_per_rank, num_programs):
+            expert_rows = local_expert * slots_per_expert
+            for step in range(0, NUM_RANKS):
+                source = (rank + 1 + step) % NUM_RANKS   # spread the programs over the links
+                placed = tl.load(layout_range_ptr + local_expert * NUM_RANKS + source)
+                begin = (placed >> 32).to(tl.int32)
+                count = (placed & 0xFFFFFFFF).to(tl.int32)
+                peer_area = tl.load(peer_base_ptrs + source) + area
+                receive_slot = (peer_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.int32))
+                for first in range(0, count, ROWS):
+                    rows = begin + first + tl.arange(0, ROWS)
+                    row_ok = first + tl.arange(0, ROWS) < count
+                    token = tl.load(src_info_ptr + expert_rows + rows, mask=row_ok, other=0)
+                    topk_slot = tl.load(topk_slot_ptr + expert_rows + rows, mask=row_ok, other=0).to(tl.int32)
+                    copy_rows(x_ptr + local_expert * expert_stride.to(tl.int64), rows, row_stride, 1, receive_slot,
+                              token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
+                flag = peer_area.to(tl.pointer_type(tl.int64)) + FLAGS + slot * MAX_EXPERTS \
+                    + rank * experts_per_rank + local_expert
+                publish(flag, call)
+
+    if DO_RECV:
+        call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
+        received = (my_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.bfloat16))
+        column_blocks = tl.cdiv(HIDDEN, REDUCE_BLOCK)
+        ks = tl.arange(0, TOPK_PAD)
+        for item in range(pid, num_tokens * column_blocks, num_programs):
+            token = item // column_blocks
+            columns = (item % column_blocks) * REDUCE_BLOCK + tl.arange(0, REDUCE_BLOCK)
+            experts = tl.load(topk_idx_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=-1)
+            weights = tl.load(topk_weights_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=0.0)
+            for k in range(0, NUM_TOPK):
+                expert = tl.load(topk_idx_ptr + token * NUM_TOPK + k)
+                if expert >= 0:
+                    wait_at_least(control + FLAGS + slot * MAX_EXPERTS + expert, call, status_ptr, timeout_ns,
+                                  PHASE_LL_COMBINE_DATA, (expert // experts_per_rank).to(tl.int32), GPU)
+            present = experts >= 0
+            rows = tl.load(received + (token * MAX_TOPK + ks).to(tl.int64)[:, None] * HIDDEN + columns[None, :],
+                           mask=present[:, None] & (columns < HIDDEN)[None, :], other=0.0, cache_modifier=".cg")
+            total = tl.sum(rows.to(tl.float32) * weights[:, None], axis=0)
+            tl.store(out_ptr + token.to(tl.int64) * out_row_stride + columns, total.to(tl.bfloat16),
+                     mask=columns < HIDDEN)
+
+    if DO_RECV:
+        done_word = control + DONE_RECEIVE
+    else:
+        done_word = control + DONE_SEND
+    if last_program_done(done_word):
+        if DO_SEND:
+            tl.store(control + SEQUENCE_SENT + slot, load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1)
+        if DO_RECV:
+            finished = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
+            tl.store(control + SEQUENCE_RECEIVED + slot, finished)
+            for source in range(0, NUM_RANKS):
+                peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
+                publish(peer_control + FREED + slot * MAX_RANKS + rank, finished)

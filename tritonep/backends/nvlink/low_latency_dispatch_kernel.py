@@ -1,0 +1,212 @@
+"""Low-latency dispatch over NVLink: one kernel, no host synchronisation, CUDA-graph safe.
+
+Send (``DO_SEND``): program p takes global experts p, p+P, ... For expert g it picks, from
+``topk_idx``, the (token, k) pairs routed to g in token order, casts those rows to fp8 on the
+fly (or keeps bf16) and writes them as messages into g's rank, at the fixed block
+``[local expert, source = us, 0..count)`` of the current receive slot. Then it publishes
+``(use << 32) | count`` in that rank's flag for (local expert, us). Fixed blocks mean no
+slot has to be reserved with a remote atomic: a sender knows where every row goes.
+
+Receive (``DO_RECV``): program p takes local experts p, p+P, ... It waits for the R flags of
+expert e, in source order, and copies each source's messages into the packed outputs right
+after the previous source's (so rows are ordered by source rank, then token, like the CPU
+backend), writing ``src_info``, ``layout_range``, the count, and the stats.
+
+Calls alternate between two receive slots (the host picks one per call) and the GPU counts
+the uses of each slot (``SEQUENCE`` words, bumped by the launch's last program), so replaying
+a captured graph keeps counting and hooks may run in any order. A sender starting use n of a
+slot first waits until every destination has finished receiving use n-1 (``DISPATCH_FREED``).
+With ``return_recv_hook`` the two halves are two launches; otherwise one launch does both
+(all programs are resident, so receivers may wait for senders of the same launch).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import low_latency_layout as layout
+from .fp8_tiles import pack_bytes, quantize_rows
+from .rows import copy_rows
+from .sync import (
+    PHASE_LL_DISPATCH_DATA,
+    PHASE_LL_DISPATCH_SLOT,
+    last_program_done,
+    load_acquire,
+    now_ns,
+    publish,
+    wait_at_least,
+)
+
+SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 0)
+SEQUENCE_RECEIVED = tl.constexpr(layout.SEQUENCE + 2)
+DONE_SEND = tl.constexpr(layout.DONE + 0)
+DONE_RECEIVE = tl.constexpr(layout.DONE + 1)
+MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
+MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
+FREED = tl.constexpr(layout.DISPATCH_FREED)
+FLAGS = tl.constexpr(layout.DISPATCH_FLAGS)
+LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
+CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
+
+
+@triton.jit
+def _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block,
+                 NUM_TOPK: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr,
+                 ROUND_SCALE: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                 MESSAGE_WORDS: tl.constexpr, ROWS: tl.constexpr, GPU: tl.constexpr):
+    """Write the ``count`` rows routed to one expert as messages 0..count-1 of ``message_block``."""
+    for first in range(0, count, ROWS):
+        wanted = first + tl.arange(0, ROWS)
+        # The pair whose position among the routed pairs is ``wanted`` (a compaction by matching).
+        match = routed[None, :] & (position[None, :] == wanted[:, None])
+        pair = tl.sum(tl.where(match, pairs[None, :], 0), axis=1)
+        row_ok = wanted < count
+        token = pair // NUM_TOPK
+        message = message_block + wanted.to(tl.int64)[:, None] * MESSAGE_WORDS
+        words = tl.arange(0, HIDDEN_PAD // 4 if USE_FP8 else HIDDEN_PAD // 2)
+        word_mask = row_ok[:, None] & (words < DATA_WORDS)[None, :]
+        if USE_FP8:
+            columns = tl.arange(0, HIDDEN_PAD)
+            values = tl.load(x_ptr + token.to(tl.int64)[:, None] * x_row_stride + columns[None, :],
+                             mask=row_ok[:, None] & (columns < HIDDEN)[None, :], other=0.0).to(tl.float32)
+            packed, scales = quantize_rows(values, ROWS, HIDDEN_PAD, ROUND_SCALE, GPU)
+            tl.store(message + words[None, :], packed, mask=word_mask)
+            groups = tl.arange(0, HIDDEN_PAD // 128)
+            tl.store(message + DATA_WORDS + groups[None, :], scales.to(tl.int32, bitcast=True),
+                     mask=row_ok[:, None] & (groups < SCALE_WORDS)[None, :])
+        else:
+            # bf16 rows travel as they are: here ``x_ptr`` is an int32 view, two channels a word.
+            values = tl.load(x_ptr + token.to(tl.int64)[:, None] * x_row_stride + words[None, :], mask=word_mask)
+            tl.store(message + words[None, :], values, mask=word_mask)
+        header = message + DATA_WORDS + SCALE_WORDS
+        tl.store(header, token[:, None], mask=row_ok[:, None])
+        tl.store(header + 1, (pair % NUM_TOPK)[:, None], mask=row_ok[:, None])
+
+
+@triton.jit
+def _receive_scales(message_rows, row_ok, out_scales_ptr, out_rows, slots_per_expert,
+                    USE_UE8M0: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                    GROUPS_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """Scales of ``ROWS`` messages into the column-major [groups (or words), rows] output of one
+    expert (``out_scales_ptr`` points at its first element)."""
+    groups = tl.arange(0, GROUPS_PAD)
+    bits = tl.load(message_rows[:, None] + DATA_WORDS + groups[None, :],
+                   mask=row_ok[:, None] & (groups < SCALE_WORDS)[None, :], other=0, cache_modifier=".cg")
+    if USE_UE8M0:
+        # Power-of-two scales: the float's exponent byte is the UE8M0 code; four per int32.
+        packed = pack_bytes((bits >> 23) & 0xFF, ROWS, GROUPS_PAD)
+        columns = tl.arange(0, GROUPS_PAD // 4)
+        tl.store(out_scales_ptr + columns[None, :].to(tl.int64) * slots_per_expert + out_rows[:, None], packed,
+                 mask=row_ok[:, None] & (columns < SCALE_WORDS // 4)[None, :])
+    else:
+        tl.store(out_scales_ptr + groups[None, :].to(tl.int64) * slots_per_expert + out_rows[:, None],
+                 bits.to(tl.float32, bitcast=True), mask=row_ok[:, None] & (groups < SCALE_WORDS)[None, :])
+
+
+@triton.jit(do_not_specialize=["x_row_stride", "num_tokens", "area", "slot", "slot_bytes", "rank", "timeout_ns",
+                               "num_max_tokens", "experts_per_rank"])
+def low_latency_dispatch_kernel(
+    x_ptr, x_row_stride, topk_idx_ptr, num_tokens,
+    out_x_ptr, out_scales_ptr, out_src_info_ptr, out_topk_slot_ptr, out_layout_range_ptr, out_count_ptr,
+    recv_stats_ptr, wait_stats_ptr,
+    peer_base_ptrs, area, slot, slot_bytes, rank, status_address, timeout_ns, num_max_tokens, experts_per_rank,
+    NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
+    PAIRS_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
+    HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
+    GROUPS_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
+):
+    """``x_ptr`` is bf16 [N, H] for fp8 sends, else its int32 view (``x_row_stride`` in its
+    elements). ``out_x_ptr`` is the int32 view of packed_recv_x; ``out_scales_ptr`` its scales
+    (column-major per expert, ``SCALE_COLUMNS`` columns). ``status_address``: pinned host int64
+    that a timed-out wait writes (phase, peer) into."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    status_ptr = status_address.to(tl.pointer_type(tl.int64))
+    my_area = tl.load(peer_base_ptrs + rank) + area
+    control = my_area.to(tl.pointer_type(tl.int64))
+    DATA_WORDS: tl.constexpr = HIDDEN // 4 if USE_FP8 else HIDDEN // 2
+    SCALE_WORDS: tl.constexpr = HIDDEN // 128 if USE_FP8 else 0
+    MESSAGE_WORDS: tl.constexpr = (DATA_WORDS + SCALE_WORDS + 2 + 3) // 4 * 4
+    SCALE_COLUMNS: tl.constexpr = SCALE_WORDS // 4 if USE_UE8M0 else SCALE_WORDS
+    num_experts = experts_per_rank * NUM_RANKS
+    block_words = num_max_tokens.to(tl.int64) * MESSAGE_WORDS        # one (expert, source) block
+
+    if DO_SEND:
+        call = load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1
+        for destination in range(0, NUM_RANKS):
+            wait_at_least(control + FREED + slot * MAX_RANKS + destination, call - 1, status_ptr, timeout_ns,
+                          PHASE_LL_DISPATCH_SLOT, destination, GPU)
+        pairs = tl.arange(0, PAIRS_PAD)
+        experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
+        for expert in range(pid, num_experts, num_programs):
+            routed = experts == expert
+            count = tl.sum(routed.to(tl.int32), axis=0)
+            position = tl.cumsum(routed.to(tl.int32), axis=0) - 1
+            destination = expert // experts_per_rank
+            local_expert = expert - destination * experts_per_rank
+            peer_area = tl.load(peer_base_ptrs + destination) + area
+            receive_slot = (peer_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
+            message_block = receive_slot + (local_expert * NUM_RANKS + rank) * block_words
+            _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block, NUM_TOPK, HIDDEN,
+                         HIDDEN_PAD, USE_FP8, ROUND_SCALE, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, ROWS, GPU)
+            flag = peer_area.to(tl.pointer_type(tl.int64)) + FLAGS + slot * MAX_EXPERTS \
+                + local_expert * NUM_RANKS + rank
+            publish(flag, (call << 32) | count.to(tl.int64))
+
+    if DO_RECV:
+        call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
+        slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
+        receive_slot = (my_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
+        for local_expert in range(pid, experts_per_rank, num_programs):
+            begin = tl.zeros((), dtype=tl.int32)
+            out_base = local_expert * slots_per_expert
+            for source in range(0, NUM_RANKS):
+                started = now_ns(GPU)
+                flag = wait_at_least(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + source,
+                                     call << 32, status_ptr, timeout_ns, PHASE_LL_DISPATCH_DATA, source, GPU)
+                if HAS_WAIT_STATS:
+                    tl.atomic_add(wait_stats_ptr + source, now_ns(GPU) - started, sem="relaxed")
+                count = tl.minimum(flag & LOW_32_BITS, num_max_tokens).to(tl.int32)   # bounded even on timeout
+                tl.store(out_layout_range_ptr + local_expert * NUM_RANKS + source, (begin.to(tl.int64) << 32) | count)
+                messages = receive_slot + (local_expert * NUM_RANKS + source) * block_words
+                for first in range(0, count, ROWS):
+                    rows = first + tl.arange(0, ROWS)
+                    row_ok = rows < count
+                    out_rows = begin + rows
+                    copy_rows(messages, rows, MESSAGE_WORDS, 1, out_x_ptr + out_base * DATA_WORDS, out_rows, row_ok,
+                              DATA_WORDS, BLOCK, True)
+                    message_rows = messages + rows.to(tl.int64) * MESSAGE_WORDS
+                    header = message_rows + DATA_WORDS + SCALE_WORDS
+                    token = tl.load(header, mask=row_ok, cache_modifier=".cg")
+                    topk_slot = tl.load(header + 1, mask=row_ok, cache_modifier=".cg")
+                    tl.store(out_src_info_ptr + out_base + out_rows, token, mask=row_ok)
+                    tl.store(out_topk_slot_ptr + out_base + out_rows, topk_slot.to(tl.int8), mask=row_ok)
+                    if USE_FP8:
+                        _receive_scales(message_rows, row_ok, out_scales_ptr + out_base * SCALE_COLUMNS, out_rows,
+                                        slots_per_expert, USE_UE8M0, DATA_WORDS, SCALE_WORDS, GROUPS_PAD, ROWS)
+                begin += count
+            tl.store(out_count_ptr + local_expert, begin)
+            if HAS_RECV_STATS:
+                tl.store(recv_stats_ptr + local_expert, tl.load(recv_stats_ptr + local_expert) + begin)
+            # Rows past the count carry no token: -1, as the CPU backend leaves them.
+            for first in range(begin, slots_per_expert, BLOCK):
+                rows = first + tl.arange(0, BLOCK)
+                tl.store(out_src_info_ptr + out_base + rows, tl.full([BLOCK], -1, tl.int32),
+                         mask=rows < slots_per_expert)
+
+    # The last program of the launch advances the call counters; after a receive it tells every
+    # source that this rank's slot of this call may be overwritten (by call + 2).
+    if DO_RECV:
+        done_word = control + DONE_RECEIVE
+    else:
+        done_word = control + DONE_SEND
+    if last_program_done(done_word):
+        if DO_SEND:
+            tl.store(control + SEQUENCE_SENT + slot, load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1)
+        if DO_RECV:
+            received = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
+            tl.store(control + SEQUENCE_RECEIVED + slot, received)
+            for source in range(0, NUM_RANKS):
+                peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
+                publish(peer_control + FREED + slot * MAX_RANKS + rank, received)
