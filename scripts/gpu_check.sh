@@ -33,12 +33,12 @@ else
   bench_args=(--sweep)
 fi
 echo "== GPU tests ($MODE)"
-timeout 420 python3 -m pytest -q -x -m gpu "${tests[@]}" -p no:cacheprovider \
+timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu "${tests[@]}" -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== benchmark"
-timeout 300 python3 -m tritonep.bench "${bench_args[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -40
+timeout ${BENCH_TIMEOUT:-300} python3 -m tritonep.bench "${bench_args[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== demo on GPUs"
