@@ -113,7 +113,7 @@ def test_low_latency_dispatch_kernel_compiles(do_send: bool, do_recv: bool, use_
              num_max_tokens=128, experts_per_rank=144),
         dict(NUM_RANKS=2, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=use_fp8,
              ROUND_SCALE=use_ue8m0, USE_UE8M0=use_ue8m0, HAS_RECV_STATS=True, HAS_WAIT_STATS=True, DO_SEND=do_send,
-             DO_RECV=do_recv, GROUPS_PAD=64, ROWS=2, BLOCK=2048),
+             DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=2, ROWS=2, BLOCK=2048),
         num_warps=16)
     if use_fp8 and do_send:
         assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
@@ -128,6 +128,7 @@ def test_low_latency_combine_kernel_compiles(do_send: bool, do_recv: bool) -> No
              out_row_stride=7168, peer_base_ptrs=I64, area=1 << 16, slot=0, combine_offset=1 << 31,
              slot_bytes=1 << 25, rank=0, status_address=1 << 40, timeout_ns=60 * 10**9, num_max_tokens=128,
              experts_per_rank=144),
-        dict(NUM_RANKS=2, HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8, DO_SEND=do_send, DO_RECV=do_recv, ROWS=2, BLOCK=2048,
+        dict(NUM_RANKS=2, RANKS_PAD=2, HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8, DO_SEND=do_send, DO_RECV=do_recv,
+             ROWS=2, BLOCK=2048,
              REDUCE_BLOCK=2048),
         num_warps=16)

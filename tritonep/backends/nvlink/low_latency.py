@@ -26,11 +26,15 @@ from ... import fp8
 from ...checks import InputError
 from ...handles import LowLatencyHandle
 from ..base import LowLatencyDispatchRequest, LowLatencyDispatchResult
+from .launcher import FastLauncher
 from .low_latency_combine_kernel import low_latency_combine_kernel
 from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
 from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
 from .memory import SymmetricBuffer
 from .sync import GPU_KERNELS, INTERPRET, PHASE_NAMES
+
+_DISPATCH = FastLauncher(low_latency_dispatch_kernel)
+_COMBINE = FastLauncher(low_latency_combine_kernel)
 
 
 @dataclass
@@ -117,11 +121,12 @@ class LowLatencyEngine:
                              f"num_rdma_bytes >= {regions.total_bytes} (get_low_latency_rdma_size_hint)")
         return regions
 
-    def _launch(self, kernel, args: tuple, constants: dict, with_hook: bool) -> Callable[[], None] | None:
+    def _launch(self, kernel: FastLauncher, args: tuple, constants: dict,
+                with_hook: bool) -> Callable[[], None] | None:
         """Launch send and receive as one kernel, or the send now and return the receive."""
         def run(do_send: bool, do_recv: bool) -> None:
-            kernel[(self.num_programs,)](*args, **constants, DO_SEND=do_send, DO_RECV=do_recv, GPU=GPU_KERNELS,
-                                         num_warps=self.warps)
+            kernel(self.num_programs, args, {**constants, "DO_SEND": do_send, "DO_RECV": do_recv, "GPU": GPU_KERNELS},
+                   self.warps)
 
         if with_hook:
             run(True, False)
@@ -180,8 +185,8 @@ class LowLatencyEngine:
             NUM_RANKS=R, HIDDEN=hidden, HIDDEN_PAD=_pow2(max(hidden, 128)), NUM_TOPK=topk_idx.shape[1],
             PAIRS_PAD=_pow2(max(T * topk_idx.shape[1], 16)), USE_FP8=use_fp8, ROUND_SCALE=request.round_scale,
             USE_UE8M0=use_ue8m0, HAS_RECV_STATS=recv_stats is not None, HAS_WAIT_STATS=wait_stats is not None,
-            GROUPS_PAD=_pow2(max(groups, 4)), ROWS=self.rows, BLOCK=2048)
-        receive = self._launch(low_latency_dispatch_kernel, args, constants, request.return_recv_hook)
+            GROUPS_PAD=_pow2(max(groups, 4)), RANKS_PAD=_pow2(R), ROWS=self.rows, BLOCK=2048)
+        receive = self._launch(_DISPATCH, args, constants, request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, num_experts, self.buffer_id, state)
         if receive is None:
             state.received = True
@@ -220,9 +225,10 @@ class LowLatencyEngine:
                 state.topk_slot, layout_range, topk_idx, topk_weights, num_tokens, target, target.stride(0),
                 self.memory.peer_base_ptrs, self.area, slot, regions.combine_offset, regions.combine_slot_bytes,
                 self.rank, self.status.data_ptr(), self.timeout_ns, T, num_experts // self.num_ranks)
-        constants = dict(NUM_RANKS=self.num_ranks, HIDDEN=hidden, NUM_TOPK=num_topk, TOPK_PAD=_pow2(num_topk),
+        constants = dict(NUM_RANKS=self.num_ranks, RANKS_PAD=_pow2(self.num_ranks), HIDDEN=hidden, NUM_TOPK=num_topk,
+                         TOPK_PAD=_pow2(num_topk),
                          ROWS=self.rows, BLOCK=2048, REDUCE_BLOCK=min(_pow2(hidden), 2048))
-        receive = self._launch(low_latency_combine_kernel, args, constants, return_recv_hook)
+        receive = self._launch(_COMBINE, args, constants, return_recv_hook)
 
         def copy_back() -> None:
             if target is not out:

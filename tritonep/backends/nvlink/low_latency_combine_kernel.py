@@ -1,14 +1,14 @@
 """Low-latency combine over NVLink: expert outputs go back to their tokens, weighted and summed.
 
-Send (``DO_SEND``): program p takes local experts p, p+P, ... For each source rank s it walks
-the rows the dispatch placed in ``[begin, begin + count)`` (from ``layout_range``) and writes
+Send (``DO_SEND``): program p takes (local expert, source rank) items p, p+P, ... For source s
+it walks the rows the dispatch placed in ``[begin, begin + count)`` (from ``layout_range``) and writes
 row j of expert e to s's combine slot at ``[token, k]``: the dispatch recorded both the
 token (``src_info``) and which of its top-k entries chose this expert (``topk_slot``), so
-every (token, k) has its own row and nothing is summed remotely. It then publishes the call
-number in s's flag for this global expert.
+every (token, k) has its own row and nothing is summed remotely. After all its rows, one
+fence, then the program writes the call's use number into each source's flag for its experts.
 
 Receive (``DO_RECV``): program p takes (token, column block) items p, p+P, ... It waits for
-the flags of the token's experts, loads their K rows at once and writes
+the flags of the token's experts (all at once), loads their K rows at once and writes
 ``sum_k weight[t, k] * row_k`` (float32 accumulation, bf16 out). Slots, their use counters on
 the GPU and the wait for the slot's previous use work as in the dispatch kernel.
 """
@@ -20,7 +20,15 @@ import triton.language as tl
 
 from . import low_latency_layout as layout
 from .rows import copy_rows
-from .sync import PHASE_LL_COMBINE_DATA, PHASE_LL_COMBINE_SLOT, last_program_done, load_acquire, publish, wait_at_least
+from .sync import (
+    PHASE_LL_COMBINE_DATA,
+    PHASE_LL_COMBINE_SLOT,
+    fence_system,
+    last_program_done,
+    load_acquire,
+    store_relaxed,
+    wait_all_at_least,
+)
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 4)
 SEQUENCE_RECEIVED = tl.constexpr(layout.SEQUENCE + 6)
@@ -35,13 +43,14 @@ MAX_TOPK = tl.constexpr(layout.MAX_TOPK)
 
 @triton.jit(do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area",
                                "combine_offset", "slot_bytes", "rank", "timeout_ns", "num_max_tokens",
-                               "experts_per_rank"])
+                               "experts_per_rank", "status_address"])
 def low_latency_combine_kernel(
     x_ptr, expert_stride, row_stride, src_info_ptr, topk_slot_ptr, layout_range_ptr,
     topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, out_row_stride,
     peer_base_ptrs, area, slot, combine_offset, slot_bytes, rank, status_address, timeout_ns, num_max_tokens,
     experts_per_rank,
-    NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, HIDDEN: tl.constexpr, NUM_TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
     DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     REDUCE_BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
@@ -54,31 +63,37 @@ def low_latency_combine_kernel(
     control = my_area.to(tl.pointer_type(tl.int64))
     WORDS: tl.constexpr = HIDDEN // 2
 
+    ranks = tl.arange(0, RANKS_PAD)
     if DO_SEND:
         call = load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1
-        for source in range(0, NUM_RANKS):
-            wait_at_least(control + FREED + slot * MAX_RANKS + source, call - 1, status_ptr, timeout_ns,
-                          PHASE_LL_COMBINE_SLOT, source, GPU)
+        wait_all_at_least(control + FREED + slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1), call - 1,
+                          ranks < NUM_RANKS, status_ptr, timeout_ns, PHASE_LL_COMBINE_SLOT, ranks, GPU)
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
-        for local_expert in range(pid, experts_per_rank, num_programs):
+        # One item per (local expert, source rank); sources rotated so programs spread over links.
+        for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
+            local_expert = item // NUM_RANKS
+            source = (rank + 1 + item % NUM_RANKS) % NUM_RANKS
             expert_rows = local_expert * slots_per_expert
-            for step in range(0, NUM_RANKS):
-                source = (rank + 1 + step) % NUM_RANKS   # spread the programs over the links
-                placed = tl.load(layout_range_ptr + local_expert * NUM_RANKS + source)
-                begin = (placed >> 32).to(tl.int32)
-                count = (placed & 0xFFFFFFFF).to(tl.int32)
-                peer_area = tl.load(peer_base_ptrs + source) + area
-                receive_slot = (peer_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.int32))
-                for first in range(0, count, ROWS):
-                    rows = begin + first + tl.arange(0, ROWS)
-                    row_ok = first + tl.arange(0, ROWS) < count
-                    token = tl.load(src_info_ptr + expert_rows + rows, mask=row_ok, other=0)
-                    topk_slot = tl.load(topk_slot_ptr + expert_rows + rows, mask=row_ok, other=0).to(tl.int32)
-                    copy_rows(x_ptr + local_expert * expert_stride.to(tl.int64), rows, row_stride, 1, receive_slot,
-                              token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
-                flag = peer_area.to(tl.pointer_type(tl.int64)) + FLAGS + slot * MAX_EXPERTS \
-                    + rank * experts_per_rank + local_expert
-                publish(flag, call)
+            placed = tl.load(layout_range_ptr + local_expert * NUM_RANKS + source)
+            begin = (placed >> 32).to(tl.int32)
+            count = (placed & 0xFFFFFFFF).to(tl.int32)
+            peer_area = tl.load(peer_base_ptrs + source) + area
+            receive_slot = (peer_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.int32))
+            for first in range(0, count, ROWS):
+                rows = begin + first + tl.arange(0, ROWS)
+                row_ok = first + tl.arange(0, ROWS) < count
+                token = tl.load(src_info_ptr + expert_rows + rows, mask=row_ok, other=0)
+                topk_slot = tl.load(topk_slot_ptr + expert_rows + rows, mask=row_ok, other=0).to(tl.int32)
+                copy_rows(x_ptr + local_expert * expert_stride.to(tl.int64), rows, row_stride, 1, receive_slot,
+                          token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
+        # One fence for all of this program's rows, then the flags: no round trip per item.
+        fence_system(GPU)
+        for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
+            local_expert = item // NUM_RANKS
+            source = (rank + 1 + item % NUM_RANKS) % NUM_RANKS
+            flag = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
+                + slot * MAX_EXPERTS + rank * experts_per_rank + local_expert
+            store_relaxed(flag, call, GPU)
 
     if DO_RECV:
         call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
@@ -90,12 +105,11 @@ def low_latency_combine_kernel(
             columns = (item % column_blocks) * REDUCE_BLOCK + tl.arange(0, REDUCE_BLOCK)
             experts = tl.load(topk_idx_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=-1)
             weights = tl.load(topk_weights_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=0.0)
-            for k in range(0, NUM_TOPK):
-                expert = tl.load(topk_idx_ptr + token * NUM_TOPK + k)
-                if expert >= 0:
-                    wait_at_least(control + FLAGS + slot * MAX_EXPERTS + expert, call, status_ptr, timeout_ns,
-                                  PHASE_LL_COMBINE_DATA, (expert // experts_per_rank).to(tl.int32), GPU)
             present = experts >= 0
+            # The flags of all of the token's experts at once.
+            wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0),
+                              call + tl.zeros([TOPK_PAD], tl.int64), present, status_ptr, timeout_ns,
+                              PHASE_LL_COMBINE_DATA, (tl.maximum(experts, 0) // experts_per_rank).to(tl.int32), GPU)
             rows = tl.load(received + (token * MAX_TOPK + ks).to(tl.int64)[:, None] * HIDDEN + columns[None, :],
                            mask=present[:, None] & (columns < HIDDEN)[None, :], other=0.0, cache_modifier=".cg")
             total = tl.sum(rows.to(tl.float32) * weights[:, None], axis=0)
@@ -112,6 +126,7 @@ def low_latency_combine_kernel(
         if DO_RECV:
             finished = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
             tl.store(control + SEQUENCE_RECEIVED + slot, finished)
+            fence_system(GPU)
             for source in range(0, NUM_RANKS):
                 peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
-                publish(peer_control + FREED + slot * MAX_RANKS + rank, finished)
+                store_relaxed(peer_control + FREED + slot * MAX_RANKS + rank, finished, GPU)

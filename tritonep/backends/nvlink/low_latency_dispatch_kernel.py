@@ -3,13 +3,14 @@
 Send (``DO_SEND``): program p takes global experts p, p+P, ... For expert g it picks, from
 ``topk_idx``, the (token, k) pairs routed to g in token order, casts those rows to fp8 on the
 fly (or keeps bf16) and writes them as messages into g's rank, at the fixed block
-``[local expert, source = us, 0..count)`` of the current receive slot. Then it publishes
-``(use << 32) | count`` in that rank's flag for (local expert, us). Fixed blocks mean no
-slot has to be reserved with a remote atomic: a sender knows where every row goes.
+``[local expert, source = us, 0..count)`` of the current receive slot. Fixed blocks mean no
+slot has to be reserved with a remote atomic: a sender knows where every row goes. After all
+its experts, one system fence, then ``(use << 32) | count`` into each expert's flag at its
+rank (relaxed stores: no round trip per expert).
 
-Receive (``DO_RECV``): program p takes local experts p, p+P, ... It waits for the R flags of
-expert e, in source order, and copies each source's messages into the packed outputs right
-after the previous source's (so rows are ordered by source rank, then token, like the CPU
+Receive (``DO_RECV``): program p takes (local expert e, source s) items p, p+P, ... It waits
+for the R flags of e at once, and copies s's messages into the packed outputs right after
+the lower sources' rows (so rows are ordered by source rank, then token, like the CPU
 backend), writing ``src_info``, ``layout_range``, the count, and the stats.
 
 Calls alternate between two receive slots (the host picks one per call) and the GPU counts
@@ -31,11 +32,12 @@ from .rows import copy_rows
 from .sync import (
     PHASE_LL_DISPATCH_DATA,
     PHASE_LL_DISPATCH_SLOT,
+    fence_system,
     last_program_done,
     load_acquire,
     now_ns,
-    publish,
-    wait_at_least,
+    store_relaxed,
+    wait_all_at_least,
 )
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 0)
@@ -105,7 +107,7 @@ def _receive_scales(message_rows, row_ok, out_scales_ptr, out_rows, slots_per_ex
 
 
 @triton.jit(do_not_specialize=["x_row_stride", "num_tokens", "area", "slot", "slot_bytes", "rank", "timeout_ns",
-                               "num_max_tokens", "experts_per_rank"])
+                               "num_max_tokens", "experts_per_rank", "status_address"])
 def low_latency_dispatch_kernel(
     x_ptr, x_row_stride, topk_idx_ptr, num_tokens,
     out_x_ptr, out_scales_ptr, out_src_info_ptr, out_topk_slot_ptr, out_layout_range_ptr, out_count_ptr,
@@ -114,7 +116,7 @@ def low_latency_dispatch_kernel(
     NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
     PAIRS_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
     HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
-    GROUPS_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
+    GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
     """``x_ptr`` is bf16 [N, H] for fp8 sends, else its int32 view (``x_row_stride`` in its
     elements). ``out_x_ptr`` is the int32 view of packed_recv_x; ``out_scales_ptr`` its scales
@@ -132,11 +134,12 @@ def low_latency_dispatch_kernel(
     num_experts = experts_per_rank * NUM_RANKS
     block_words = num_max_tokens.to(tl.int64) * MESSAGE_WORDS        # one (expert, source) block
 
+    ranks = tl.arange(0, RANKS_PAD)
+    real_ranks = tl.minimum(ranks, NUM_RANKS - 1)   # pad lanes point at a real word, masked off
     if DO_SEND:
         call = load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1
-        for destination in range(0, NUM_RANKS):
-            wait_at_least(control + FREED + slot * MAX_RANKS + destination, call - 1, status_ptr, timeout_ns,
-                          PHASE_LL_DISPATCH_SLOT, destination, GPU)
+        wait_all_at_least(control + FREED + slot * MAX_RANKS + real_ranks, call - 1, ranks < NUM_RANKS, status_ptr,
+                          timeout_ns, PHASE_LL_DISPATCH_SLOT, ranks, GPU)
         pairs = tl.arange(0, PAIRS_PAD)
         experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
         for expert in range(pid, num_experts, num_programs):
@@ -150,50 +153,63 @@ def low_latency_dispatch_kernel(
             message_block = receive_slot + (local_expert * NUM_RANKS + rank) * block_words
             _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block, NUM_TOPK, HIDDEN,
                          HIDDEN_PAD, USE_FP8, ROUND_SCALE, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, ROWS, GPU)
-            flag = peer_area.to(tl.pointer_type(tl.int64)) + FLAGS + slot * MAX_EXPERTS \
-                + local_expert * NUM_RANKS + rank
-            publish(flag, (call << 32) | count.to(tl.int64))
+        # One fence for all of this program's rows, then the flags: no round trip per expert.
+        fence_system(GPU)
+        for expert in range(pid, num_experts, num_programs):
+            count = tl.sum((experts == expert).to(tl.int32), axis=0)
+            destination = expert // experts_per_rank
+            local_expert = expert - destination * experts_per_rank
+            flag = (tl.load(peer_base_ptrs + destination) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
+                + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank
+            store_relaxed(flag, (call << 32) | count.to(tl.int64), GPU)
 
     if DO_RECV:
         call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
         receive_slot = (my_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
-        for local_expert in range(pid, experts_per_rank, num_programs):
-            begin = tl.zeros((), dtype=tl.int32)
+        # One item per (local expert, source): every item waits for the expert's R flags (its
+        # rows start after the lower sources' rows), then copies its own source's rows.
+        for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
+            local_expert = item // NUM_RANKS
+            source = item % NUM_RANKS
+            started = now_ns(GPU)
+            flags = wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks,
+                                      (call << 32) + tl.zeros([RANKS_PAD], tl.int64), ranks < NUM_RANKS, status_ptr,
+                                      timeout_ns, PHASE_LL_DISPATCH_DATA, ranks, GPU)
+            if HAS_WAIT_STATS:
+                tl.atomic_add(wait_stats_ptr + source, now_ns(GPU) - started, sem="relaxed")
+            counts = tl.where(ranks < NUM_RANKS, tl.minimum(flags & LOW_32_BITS, num_max_tokens), 0).to(tl.int32)
+            begin = tl.sum(tl.where(ranks < source, counts, 0), axis=0)
+            count = tl.sum(tl.where(ranks == source, counts, 0), axis=0)
+            total = tl.sum(counts, axis=0)
             out_base = local_expert * slots_per_expert
-            for source in range(0, NUM_RANKS):
-                started = now_ns(GPU)
-                flag = wait_at_least(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + source,
-                                     call << 32, status_ptr, timeout_ns, PHASE_LL_DISPATCH_DATA, source, GPU)
-                if HAS_WAIT_STATS:
-                    tl.atomic_add(wait_stats_ptr + source, now_ns(GPU) - started, sem="relaxed")
-                count = tl.minimum(flag & LOW_32_BITS, num_max_tokens).to(tl.int32)   # bounded even on timeout
-                tl.store(out_layout_range_ptr + local_expert * NUM_RANKS + source, (begin.to(tl.int64) << 32) | count)
-                messages = receive_slot + (local_expert * NUM_RANKS + source) * block_words
-                for first in range(0, count, ROWS):
-                    rows = first + tl.arange(0, ROWS)
-                    row_ok = rows < count
-                    out_rows = begin + rows
-                    copy_rows(messages, rows, MESSAGE_WORDS, 1, out_x_ptr + out_base * DATA_WORDS, out_rows, row_ok,
-                              DATA_WORDS, BLOCK, True)
-                    message_rows = messages + rows.to(tl.int64) * MESSAGE_WORDS
-                    header = message_rows + DATA_WORDS + SCALE_WORDS
-                    token = tl.load(header, mask=row_ok, cache_modifier=".cg")
-                    topk_slot = tl.load(header + 1, mask=row_ok, cache_modifier=".cg")
-                    tl.store(out_src_info_ptr + out_base + out_rows, token, mask=row_ok)
-                    tl.store(out_topk_slot_ptr + out_base + out_rows, topk_slot.to(tl.int8), mask=row_ok)
-                    if USE_FP8:
-                        _receive_scales(message_rows, row_ok, out_scales_ptr + out_base * SCALE_COLUMNS, out_rows,
-                                        slots_per_expert, USE_UE8M0, DATA_WORDS, SCALE_WORDS, GROUPS_PAD, ROWS)
-                begin += count
-            tl.store(out_count_ptr + local_expert, begin)
-            if HAS_RECV_STATS:
-                tl.store(recv_stats_ptr + local_expert, tl.load(recv_stats_ptr + local_expert) + begin)
-            # Rows past the count carry no token: -1, as the CPU backend leaves them.
-            for first in range(begin, slots_per_expert, BLOCK):
-                rows = first + tl.arange(0, BLOCK)
-                tl.store(out_src_info_ptr + out_base + rows, tl.full([BLOCK], -1, tl.int32),
-                         mask=rows < slots_per_expert)
+            tl.store(out_layout_range_ptr + item, (begin.to(tl.int64) << 32) | count)
+            messages = receive_slot + item * block_words
+            for first in range(0, count, ROWS):
+                rows = first + tl.arange(0, ROWS)
+                row_ok = rows < count
+                out_rows = begin + rows
+                copy_rows(messages, rows, MESSAGE_WORDS, 1, out_x_ptr + out_base * DATA_WORDS, out_rows, row_ok,
+                          DATA_WORDS, BLOCK, True)
+                message_rows = messages + rows.to(tl.int64) * MESSAGE_WORDS
+                header = message_rows + DATA_WORDS + SCALE_WORDS
+                token = tl.load(header, mask=row_ok, cache_modifier=".cg")
+                topk_slot = tl.load(header + 1, mask=row_ok, cache_modifier=".cg")
+                tl.store(out_src_info_ptr + out_base + out_rows, token, mask=row_ok)
+                tl.store(out_topk_slot_ptr + out_base + out_rows, topk_slot.to(tl.int8), mask=row_ok)
+                if USE_FP8:
+                    _receive_scales(message_rows, row_ok, out_scales_ptr + out_base * SCALE_COLUMNS, out_rows,
+                                    slots_per_expert, USE_UE8M0, DATA_WORDS, SCALE_WORDS, GROUPS_PAD, ROWS)
+            if source == 0:
+                tl.store(out_count_ptr + local_expert, total)
+                if HAS_RECV_STATS:
+                    tl.store(recv_stats_ptr + local_expert, tl.load(recv_stats_ptr + local_expert) + total)
+            if source == NUM_RANKS - 1:
+                # Rows past the count carry no token: -1, as the CPU backend leaves them.
+                for unused_row in range(total, slots_per_expert, BLOCK):
+                    rows = unused_row + tl.arange(0, BLOCK)
+                    tl.store(out_src_info_ptr + out_base + rows, tl.full([BLOCK], -1, tl.int32),
+                             mask=rows < slots_per_expert)
 
     # The last program of the launch advances the call counters; after a receive it tells every
     # source that this rank's slot of this call may be overwritten (by call + 2).
@@ -207,6 +223,7 @@ def low_latency_dispatch_kernel(
         if DO_RECV:
             received = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
             tl.store(control + SEQUENCE_RECEIVED + slot, received)
+            fence_system(GPU)
             for source in range(0, NUM_RANKS):
                 peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
-                publish(peer_control + FREED + slot * MAX_RANKS + rank, received)
+                store_relaxed(peer_control + FREED + slot * MAX_RANKS + rank, received, GPU)

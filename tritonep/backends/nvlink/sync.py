@@ -126,3 +126,51 @@ def last_program_done(done_ptr):
     if last:
         tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
     return last
+
+
+@triton.jit
+def wait_all_at_least(pointers, targets, mask, status_ptr, timeout_ns, phase, peers, GPU: tl.constexpr):
+    """``wait_at_least`` on a vector of counters at once (lanes where ``mask``; every lane's
+    pointer must be valid): the polls of all lanes are in flight together instead of one
+    after another. Returns the values seen;
+    on timeout records the first lagging lane's ``peers`` entry and returns ``TIMED_OUT``-like
+    values (``targets + 2**56``) for the lanes still waiting."""
+    values = tl.where(mask, load_acquire(pointers, GPU), targets)
+    start = now_ns(GPU)
+    spins = 0
+    expired = tl.zeros((), dtype=tl.int1)
+    while (tl.sum((values < targets).to(tl.int32), axis=0) > 0) & (expired == 0):
+        values = tl.where(mask & (values < targets), load_acquire(pointers, GPU), values)
+        spins += 1
+        if GPU:
+            expired = (now_ns(GPU) - start) > timeout_ns
+        else:
+            expired = spins > 2_000_000  # INTERPRETER_MAX_SPINS
+    if expired:
+        lagging = values < targets
+        peer = tl.min(tl.where(lagging, peers, 1 << 30), axis=0)
+        tl.store(status_ptr, (phase * 65536 + peer + 1).to(tl.int64))
+        values = tl.where(lagging, targets + (1 << 56), values)
+    tl.debug_barrier()
+    return values
+
+
+@triton.jit
+def fence_system(GPU: tl.constexpr):
+    """Order this program's earlier stores (all threads: barrier first) before its later ones,
+    at system scope: data, fence, then flags written with ``store_relaxed``."""
+    tl.debug_barrier()
+    if GPU:
+        tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def store_relaxed(pointer, value, GPU: tl.constexpr):
+    """A 64-bit relaxed store at system scope: strong (a waiting peer's acquire load pairs with
+    it through the fence before), and unlike an atomic exchange it does not wait for a reply."""
+    if GPU:
+        tl.inline_asm_elementwise("st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0;", "=r,l,l",
+                                  [pointer, value.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_xchg(pointer, value.to(tl.int64), sem="relaxed", scope="sys")
