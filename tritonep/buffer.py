@@ -91,6 +91,7 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self._low_latency_sizes_checked: set[tuple[int, int, int]] = set()
         self.explicitly_destroy = explicitly_destroy
         self.buffer_id = next(_buffer_ids)
         self.backend: Backend = _make_backend(self)
@@ -395,7 +396,11 @@ class Buffer:
         request = self._check_low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        with on_comm_stream(self.backend.low_latency_stream(async_finish), None, async_finish, (x, topk_idx)) as scope:
+        stream = self.backend.low_latency_stream(async_finish)
+        if stream is None:   # the caller's stream: nothing to order, no event (decode-time host cost)
+            result = self.backend.low_latency_dispatch(request)
+            return result.packed_recv_x, result.packed_recv_count, result.handle, EventOverlap(None), result.hook
+        with on_comm_stream(stream, None, async_finish, (x, topk_idx)) as scope:
             result = self.backend.low_latency_dispatch(request)
             scope.keep(result.packed_recv_x, result.packed_recv_count)
         return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, result.hook
@@ -446,8 +451,13 @@ class Buffer:
         if out is not None:
             checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden),
                                 device=self.device)
+        stream = self.backend.low_latency_stream(async_finish)
+        if stream is None:
+            combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
+                                                              return_recv_hook, out)
+            return combined, EventOverlap(None), hook
         inputs = (x, topk_idx, topk_weights)
-        with on_comm_stream(self.backend.low_latency_stream(async_finish), None, async_finish, inputs) as scope:
+        with on_comm_stream(stream, None, async_finish, inputs) as scope:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
                                                               return_recv_hook, out)
             scope.keep(combined)
@@ -480,11 +490,14 @@ class Buffer:
                 "this handle was made by another Buffer; pass it only to the Buffer that dispatched")
 
     def _check_low_latency_size(self, T: int, hidden: int, num_experts: int) -> None:
+        if (T, hidden, num_experts) in self._low_latency_sizes_checked:
+            return
         needed = low_latency_buffer_bytes(T, hidden, self.group_size, num_experts)
         require(self.num_rdma_bytes >= needed,
                 f"low-latency mode with T={T}, hidden={hidden}, num_experts={num_experts} needs "
                 f"num_rdma_bytes >= {needed} (Buffer.get_low_latency_rdma_size_hint), this Buffer has "
                 f"{self.num_rdma_bytes}")
+        self._low_latency_sizes_checked.add((T, hidden, num_experts))
 
     def _check_low_latency_dispatch(self, x, topk_idx, T, num_experts, recv_stats, wait_stats, use_fp8,
                                     round_scale, use_ue8m0, async_finish, return_recv_hook

@@ -36,6 +36,6 @@ class FastLauncher:
         if compiled is None:
             self.compiled[key] = self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
             return
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
                      *[constants[name] for name in self.names[len(args):]])
