@@ -33,7 +33,7 @@ else
   bench_args=(--sweep)
 fi
 echo "== GPU tests ($MODE)"
-timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -m gpu "${tests[@]}" -p no:cacheprovider \
+timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -11,7 +11,7 @@ from tritonep.launch import RankPool
 import low_latency_cases as llc
 
 
-def reverse(group):
+def reverse(group, order="reverse"):
     case = llc.LowLatencyCase(seed=12, tokens=(6, 6), T=8, hidden=256, num_experts=8, num_topk=3, use_fp8=False)
     nvlink, cpu = llc.buffers(group, deep_ep.Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8))
     dev = nvlink.device
@@ -32,14 +32,16 @@ def reverse(group):
     for (x, t, w), r in zip(batches, launched):
         comb, _, hk = nvlink.low_latency_combine(llc.expert_outputs(r[0], False, nvlink.rank), t.to(dev), w.to(dev), r[2], return_recv_hook=True)
         hooks.append(hk); results.append(comb)
-    for hk in reversed(hooks):
+        if order == "sync":
+            torch.cuda.synchronize(); dist.barrier()
+    for hk in (reversed(hooks) if order == "reverse" else hooks):
         hk()
     torch.cuda.synchronize()
     for i, ((x, t, w), comb) in enumerate(zip(batches, results)):
         p, c, h, _, _ = cpu.low_latency_dispatch(x, t, 8, 8, use_fp8=False)
         exp, _, _ = cpu.low_latency_combine(llc.expert_outputs(p, False, cpu.rank), t, w, h)
         d = (comb.cpu().float() - exp.float()).abs().max(1).values
-        out.append(f"batch {i}: combine max err per token {d.tolist()}")
+        out.append(f"{order} batch {i}: combine max err per token {d.tolist()}")
     return out
 
 
@@ -80,6 +82,7 @@ def timing(group, rows, warps):
 
 if __name__ == "__main__":
     with RankPool(2, use_gpu=True, timeout=300) as pool:
-        print("\n".join(pool.run(reverse)[0]), flush=True)
-        for rows, warps in ((2, 16), (4, 16), (1, 8), (2, 32), (8, 16)):
+        for order in ("reverse", "forward", "sync"):
+            print("\n".join(pool.run(reverse, order)[0][2:]), flush=True)
+        for rows, warps in ((2, 16),):
             print("rows", rows, "warps", warps, pool.run(timing, rows, warps)[0], flush=True)
