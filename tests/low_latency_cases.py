@@ -155,41 +155,6 @@ def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase) -> list[
     return problems
 
 
-def two_batches_reverse_hooks(group: dist.ProcessGroup, seed: int) -> list[str]:
-    """Two dispatches in flight (both slots), hooks called in reverse order, then both combines
-    with hooks in reverse order: results must equal the one-at-a-time CPU backend's."""
-    case = LowLatencyCase(seed=seed, tokens=tuple(6 for _ in range(group.size())), T=8, hidden=256,
-                          num_experts=4 * group.size(), num_topk=3, use_fp8=False)
-    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(), case.num_experts)
-    nvlink, cpu = buffers(group, rdma_bytes)
-    device = nvlink.device
-    batches = [make_inputs(case, group.rank(), i) for i in range(2)]
-    launched = []
-    for x, topk_idx, _ in batches:
-        packed, count, handle, _, hook = nvlink.low_latency_dispatch(x.to(device), topk_idx.to(device), case.T,
-                                                                     case.num_experts, use_fp8=False,
-                                                                     return_recv_hook=True)
-        launched.append((packed, count, handle, hook))
-    for _, _, _, hook in reversed(launched):
-        hook()
-    combine_hooks, results = [], []
-    for (packed, _, handle, _), (_, topk_idx, weights) in zip(launched, batches):
-        combined, _, hook = nvlink.low_latency_combine(expert_outputs(packed, False, nvlink.rank), topk_idx.to(device),
-                                                       weights.to(device), handle, return_recv_hook=True)
-        combine_hooks.append(hook)
-        results.append(combined)
-    for hook in reversed(combine_hooks):
-        hook()
-    problems = []
-    for index, ((x, topk_idx, weights), combined) in enumerate(zip(batches, results)):
-        packed, _, handle, _, _ = cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts, use_fp8=False)
-        expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, False, cpu.rank), topk_idx, weights, handle)
-        problems += _differences(f"batch {index} combined", combined.cpu(), expected)
-        problems += _differences(f"batch {index} count", launched[index][1].cpu(),
-                                 cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts, use_fp8=False)[1])
-    return problems
-
-
 def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[str]:
     """Capture dispatch -> stand-in expert -> combine in one CUDA graph, replay it on new inputs
     copied into the captured tensors, and compare each replay with the CPU backend."""
