@@ -31,3 +31,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def interpreter_pools():
+    """``get(num_ranks)`` -> a RankPool of CPU ranks running Triton's interpreter
+    (``TRITON_INTERPRET=1`` is inherited by the spawned ranks); pools live for the module."""
+    from tritonep.launch import RankPool
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    pools: dict = {}
+    try:
+        def get(num_ranks: int) -> RankPool:
+            if num_ranks not in pools:
+                pools[num_ranks] = RankPool(num_ranks, timeout=900)
+            return pools[num_ranks]
+        yield get
+    finally:
+        for pool in pools.values():
+            pool.close()
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = previous

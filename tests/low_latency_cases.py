@@ -9,11 +9,11 @@ rows, stats. Combine must match within bf16 rounding (the sums run in another or
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from nvlink_cases import make_buffer
 
 import tritonep as deep_ep
 
@@ -39,20 +39,14 @@ class LowLatencyCase:
 
 
 def buffers(group: dist.ProcessGroup, rdma_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
+    """Build (once per pool, again when more memory is needed) the NVLink buffer and a
+    CPU-backend buffer on a gloo group."""
     if _state.get("rdma_bytes", 0) < rdma_bytes:
-        os.environ["TRITONEP_BACKEND"] = "nvlink"
-        try:
-            _state["nvlink"] = deep_ep.Buffer(group, num_rdma_bytes=rdma_bytes, low_latency_mode=True)
-        finally:
-            os.environ.pop("TRITONEP_BACKEND")
+        _state["nvlink"] = make_buffer(group, "nvlink", num_rdma_bytes=rdma_bytes, low_latency_mode=True)
         _state["rdma_bytes"] = rdma_bytes
         if "gloo" not in _state:
             _state["gloo"] = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
-        os.environ["TRITONEP_BACKEND"] = "collective"
-        try:
-            _state["cpu"] = deep_ep.Buffer(_state["gloo"], num_rdma_bytes=rdma_bytes, low_latency_mode=True)
-        finally:
-            os.environ.pop("TRITONEP_BACKEND")
+        _state["cpu"] = make_buffer(_state["gloo"], "collective", num_rdma_bytes=rdma_bytes, low_latency_mode=True)
     return _state["nvlink"], _state["cpu"]
 
 
@@ -198,14 +192,10 @@ def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[
 def stalled_peer_error(group: dist.ProcessGroup) -> str:
     """Rank 0 dispatches alone: its receive must give up after TRITONEP_TIMEOUT_S and its next
     call must raise, naming the phase and the rank it waited for."""
-    os.environ["TRITONEP_BACKEND"], os.environ["TRITONEP_TIMEOUT_S"] = "nvlink", "2"
-    try:
-        T, hidden, num_experts = 4, 256, 2 * group.size()
-        buffer = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
-            T, hidden, group.size(), num_experts), low_latency_mode=True)
-    finally:
-        os.environ.pop("TRITONEP_BACKEND")
-        os.environ.pop("TRITONEP_TIMEOUT_S")
+    T, hidden, num_experts = 4, 256, 2 * group.size()
+    buffer = make_buffer(group, "nvlink", {"TRITONEP_TIMEOUT_S": "2"}, low_latency_mode=True,
+                         num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, hidden, group.size(),
+                                                                                       num_experts))
     message = ""
     if group.rank() == 0:
         x = torch.randn(T, hidden, device=buffer.device).to(torch.bfloat16)

@@ -37,17 +37,26 @@ class Case:
     num_sms: int = 8
 
 
+def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | None = None,
+                **kwargs) -> deep_ep.Buffer:
+    """A Buffer on ``backend`` (``TRITONEP_BACKEND``), with ``env`` set while it is built."""
+    settings = {"TRITONEP_BACKEND": backend, **(env or {})}
+    os.environ.update(settings)
+    try:
+        return deep_ep.Buffer(group, **kwargs)
+    finally:
+        for name in settings:
+            os.environ.pop(name)
+
+
 def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
     """Build (once per pool) the NVLink buffer and a CPU-backend buffer on a gloo group."""
     if "nvlink" not in _state or _state["nvl_bytes"] < nvl_bytes:
-        os.environ["TRITONEP_BACKEND"] = "nvlink"
-        _state["nvlink"] = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes)
+        _state["nvlink"] = make_buffer(group, "nvlink", num_nvl_bytes=nvl_bytes)
         _state["nvl_bytes"] = nvl_bytes
         if "cpu" not in _state:
             gloo = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
-            os.environ["TRITONEP_BACKEND"] = "collective"
-            _state["cpu"] = deep_ep.Buffer(gloo)
-        os.environ.pop("TRITONEP_BACKEND")
+            _state["cpu"] = make_buffer(gloo, "collective")
     return _state["nvlink"], _state["cpu"]
 
 
@@ -185,13 +194,9 @@ def padding_overflow_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -
 def low_latency_only_buffer(group: dist.ProcessGroup) -> tuple[bool, str]:
     """A decode-style Buffer (num_nvl_bytes=0, low_latency_mode) on the NVLink backend: the
     low-latency round trip works, normal-mode dispatch raises a clear error."""
-    os.environ["TRITONEP_BACKEND"] = "nvlink"
-    try:
-        T, hidden, num_experts = 8, 128, 4 * group.size()
-        buffer = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
-            T, hidden, group.size(), num_experts), low_latency_mode=True)
-    finally:
-        os.environ.pop("TRITONEP_BACKEND")
+    T, hidden, num_experts = 8, 128, 4 * group.size()
+    buffer = make_buffer(group, "nvlink", num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T, hidden, group.size(), num_experts), low_latency_mode=True)
     device = buffer.device
     x = torch.randn(T, hidden, device=device).to(torch.bfloat16)
     topk_idx = torch.stack([torch.randperm(num_experts, device=device)[:2] for _ in range(T)])

@@ -10,33 +10,12 @@ Two ways to run the same kernels:
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 from nvlink_cases import Case, compare_case, invalid_expert_id_error, low_latency_only_buffer, padding_overflow_error
 
 from tritonep.launch import RankPool
-
-
-@pytest.fixture(scope="module")
-def interpreter_pools():
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"   # inherited by the spawned ranks
-    pools = {}
-    try:
-        def get(num_ranks: int) -> RankPool:
-            if num_ranks not in pools:
-                pools[num_ranks] = RankPool(num_ranks, timeout=900)
-            return pools[num_ranks]
-        yield get
-    finally:
-        for pool in pools.values():
-            pool.close()
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22) -> None:

@@ -7,7 +7,6 @@ benchmark's sizes, every option, a race loop, a CUDA-graph replay and a stalled 
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -20,26 +19,6 @@ from low_latency_cases import (
 )
 
 from tritonep.launch import RankPool
-
-
-@pytest.fixture(scope="module")
-def interpreter_pools():
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"   # inherited by the spawned ranks
-    pools: dict[int, RankPool] = {}
-    try:
-        def get(num_ranks: int) -> RankPool:
-            if num_ranks not in pools:
-                pools[num_ranks] = RankPool(num_ranks, timeout=900)
-            return pools[num_ranks]
-        yield get
-    finally:
-        for pool in pools.values():
-            pool.close()
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
 
 
 def _check(pool: RankPool, case: LowLatencyCase) -> None:

@@ -18,7 +18,9 @@ the time.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,30 +31,11 @@ import tritonep as deep_ep
 GRAPH_CALLS = 10
 
 
-def _timed_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, idle_start: bool = True) -> float:
-    gpu = dist.get_backend(group) == "nccl"
-    align = torch.zeros(1, device="cuda" if gpu else "cpu")
+def _timed_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) -> float:
+    """Median of ``iters`` timed calls after 3 untimed ones."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(iters):
-        dist.all_reduce(align, group=group)
-        if not gpu:
-            import time
-
-            begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e6)
-            continue
-        if idle_start:
-            torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_one(group, fn) for _ in range(iters))
 
 
 def _measure(group: dist.ProcessGroup, buffer: deep_ep.Buffer, args: argparse.Namespace, x: torch.Tensor,
@@ -98,11 +81,9 @@ def _hook_split(group, buffer, args, x, topk_idx, weights, expert_out, handle) -
 
 
 def _one(group: dist.ProcessGroup, fn: Callable[[], object]) -> float:
-    """One timed call, GPU idle at the start (launch included)."""
-    gpu = dist.get_backend(group) == "nccl"
-    if not gpu:
-        import time
-
+    """One timed call, all ranks starting together and the GPU idle at the start event (launch
+    included). CPU ranks: wall-clock time."""
+    if dist.get_backend(group) != "nccl":
         dist.barrier(group=group)
         begin = time.perf_counter()
         fn()
@@ -134,8 +115,6 @@ def _graph_times(group, buffer, args, x, topk_idx, weights, expert_out, handle) 
 
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[str]) -> dict:
     """Measure each backend in ``backends`` ("nvlink", "collective") on the same routing."""
-    import os
-
     rank, num_ranks = group.rank(), group.size()
     gpu = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")

@@ -27,7 +27,7 @@ from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
 from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import notify_dispatch
-from .sync import GPU_KERNELS, INTERPRET, PHASE_NAMES
+from .sync import GPU_KERNELS, INTERPRET, timeout_error
 
 
 @dataclass
@@ -124,11 +124,7 @@ class NvlinkBackend(Backend):
         self._check_padding()
         code = int(self.status_host.numpy()[0])   # pinned host copy: no device sync
         if code:
-            phase, peer = divmod(code - 1, 65536)
-            raise RuntimeError(
-                f"tritonep: rank {self.rank} timed out after {self.timeout_ns / 1e9:.0f} s in phase "
-                f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or called a "
-                f"different sequence of dispatch/combine. This Buffer cannot be used any more.")
+            raise timeout_error(code, self.rank, self.timeout_ns, "dispatch/combine calls")
 
     def _remember_padding(self, rank_prefix_matrix: torch.Tensor, num_worst_tokens: int) -> None:
         received = torch.empty(self.num_ranks, dtype=torch.int32, pin_memory=not INTERPRET)

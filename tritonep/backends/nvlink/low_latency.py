@@ -8,10 +8,9 @@ live on the GPU. The kernels' memory (control words, receive slots, zero-copy bu
 one symmetric allocation of ``num_rdma_bytes``, laid out by ``low_latency_layout``.
 
 Calls of a kind alternate between two slots of receive memory (double buffering). Rules,
-each raising InputError instead of hanging or corrupting: a call may not reuse a slot whose
-previous call still awaits its receive hook, and a combine needs its dispatch received. For
-now at most one send per kind may await its hook (see ``CallOrder.start``): two pending
-combines gave a wrong first result on the GPUs, a bug not found yet.
+each raising InputError instead of hanging or corrupting: at most one send per kind may
+await its hook for now (``CallOrder.start``: two pending combines gave a wrong first result
+on the GPUs, a bug not found yet), and a combine needs its dispatch received.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from .low_latency_combine_kernel import low_latency_combine_kernel
 from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
 from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
 from .memory import SymmetricBuffer
-from .sync import GPU_KERNELS, INTERPRET, PHASE_NAMES
+from .sync import GPU_KERNELS, INTERPRET, timeout_error
 
 _DISPATCH = FastLauncher(low_latency_dispatch_kernel)
 _COMBINE = FastLauncher(low_latency_combine_kernel)
@@ -59,17 +58,19 @@ class CallOrder:
         self.sent = 0
         self.pending: dict[int, int] = {}   # slot -> call whose receive hook was not run yet
 
+    @property
+    def next_slot(self) -> int:
+        return self.sent % 2
+
     def start(self, with_hook: bool) -> tuple[int, int]:
         """(call number, slot) of the next call."""
-        slot = self.sent % 2
+        slot = self.next_slot
         if self.pending:
             # Known bug (GPU only): with two combines awaiting their hooks, the first one's result
-            # came out wrong on 2 x H200. Until it is found, a second send waits for the first hook.
+            # came out wrong on 2 x H200. Until it is found, a second send waits for the first hook
+            # (which also keeps a call from reusing the slot of a call still awaiting its hook).
             raise InputError(f"{self.kind}: an earlier call with return_recv_hook=True was not received yet; the "
                              f"NVLink low-latency path allows one pending receive hook per kind, call it first")
-        if slot in self.pending:
-            raise InputError(f"{self.kind}: the call two calls back (same double-buffer slot) still awaits its "
-                             f"receive hook; at most two low-latency results may be in flight, call that hook first")
         self.sent += 1
         if with_hook:
             self.pending[slot] = self.sent
@@ -115,11 +116,7 @@ class LowLatencyEngine:
     def check_status(self) -> None:
         code = int(self._status_view[0])
         if code:
-            phase, peer = divmod(code - 1, 65536)
-            raise RuntimeError(
-                f"tritonep: rank {self.rank} timed out after {self.timeout_ns / 1e9:.0f} s in phase "
-                f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or made a "
-                f"different sequence of low-latency calls. This Buffer cannot be used any more.")
+            raise timeout_error(code, self.rank, self.timeout_ns, "low-latency calls")
 
     def _regions(self, T: int, hidden: int, num_experts: int) -> LowLatencyRegions:
         cached = self._regions_cache.get((T, hidden, num_experts))
@@ -205,8 +202,8 @@ class LowLatencyEngine:
             x_arg, x_row_stride = x.view(torch.int32), x.stride(0) // 2
         recv_stats = request.cumulative_local_expert_recv_stats
         wait_stats = request.dispatch_wait_recv_cost_stats
-        slot = self.dispatch_order.sent % 2
-        constants, regions, outputs = self._dispatch_outputs(request, hidden, topk_idx.shape[1], slot)
+        constants, regions, outputs = self._dispatch_outputs(request, hidden, topk_idx.shape[1],
+                                                             self.dispatch_order.next_slot)
         packed, packed_words, scales_storage, packed_count, src_info, layout_range, topk_slot = outputs
         call, slot = self.dispatch_order.start(request.return_recv_hook)
         state = LowLatencyState(topk_slot)

@@ -23,8 +23,9 @@ from .rows import copy_rows
 from .sync import (
     PHASE_LL_COMBINE_DATA,
     PHASE_LL_COMBINE_SLOT,
+    begin_low_latency_send,
     fence_system,
-    last_program_done,
+    finish_low_latency_launch,
     load_acquire,
     store_relaxed,
     wait_all_at_least,
@@ -63,11 +64,9 @@ def low_latency_combine_kernel(
     control = my_area.to(tl.pointer_type(tl.int64))
     WORDS: tl.constexpr = HIDDEN // 2
 
-    ranks = tl.arange(0, RANKS_PAD)
     if DO_SEND:
-        call = load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1
-        wait_all_at_least(control + FREED + slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1), call - 1,
-                          ranks < NUM_RANKS, status_ptr, timeout_ns, PHASE_LL_COMBINE_SLOT, ranks, GPU)
+        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, slot, status_ptr, timeout_ns,
+                                      PHASE_LL_COMBINE_SLOT, NUM_RANKS, RANKS_PAD, MAX_RANKS, GPU)
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
         # One item per (local expert, source rank); sources rotated so programs spread over links.
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
@@ -116,17 +115,5 @@ def low_latency_combine_kernel(
             tl.store(out_ptr + token.to(tl.int64) * out_row_stride + columns, total.to(tl.bfloat16),
                      mask=columns < HIDDEN)
 
-    if DO_RECV:
-        done_word = control + DONE_RECEIVE
-    else:
-        done_word = control + DONE_SEND
-    if last_program_done(done_word):
-        if DO_SEND:
-            tl.store(control + SEQUENCE_SENT + slot, load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1)
-        if DO_RECV:
-            finished = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
-            tl.store(control + SEQUENCE_RECEIVED + slot, finished)
-            fence_system(GPU)
-            for source in range(0, NUM_RANKS):
-                peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
-                store_relaxed(peer_control + FREED + slot * MAX_RANKS + rank, finished, GPU)
+    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, SEQUENCE_SENT, SEQUENCE_RECEIVED,
+                              DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, MAX_RANKS, DO_SEND, DO_RECV, GPU)

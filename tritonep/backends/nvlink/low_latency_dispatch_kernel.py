@@ -32,8 +32,9 @@ from .rows import copy_rows
 from .sync import (
     PHASE_LL_DISPATCH_DATA,
     PHASE_LL_DISPATCH_SLOT,
+    begin_low_latency_send,
     fence_system,
-    last_program_done,
+    finish_low_latency_launch,
     load_acquire,
     now_ns,
     store_relaxed,
@@ -137,9 +138,8 @@ def low_latency_dispatch_kernel(
     ranks = tl.arange(0, RANKS_PAD)
     real_ranks = tl.minimum(ranks, NUM_RANKS - 1)   # pad lanes point at a real word, masked off
     if DO_SEND:
-        call = load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1
-        wait_all_at_least(control + FREED + slot * MAX_RANKS + real_ranks, call - 1, ranks < NUM_RANKS, status_ptr,
-                          timeout_ns, PHASE_LL_DISPATCH_SLOT, ranks, GPU)
+        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, slot, status_ptr, timeout_ns,
+                                      PHASE_LL_DISPATCH_SLOT, NUM_RANKS, RANKS_PAD, MAX_RANKS, GPU)
         pairs = tl.arange(0, PAIRS_PAD)
         experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
         for expert in range(pid, num_experts, num_programs):
@@ -211,19 +211,5 @@ def low_latency_dispatch_kernel(
                     tl.store(out_src_info_ptr + out_base + rows, tl.full([BLOCK], -1, tl.int32),
                              mask=rows < slots_per_expert)
 
-    # The last program of the launch advances the call counters; after a receive it tells every
-    # source that this rank's slot of this call may be overwritten (by call + 2).
-    if DO_RECV:
-        done_word = control + DONE_RECEIVE
-    else:
-        done_word = control + DONE_SEND
-    if last_program_done(done_word):
-        if DO_SEND:
-            tl.store(control + SEQUENCE_SENT + slot, load_acquire(control + SEQUENCE_SENT + slot, GPU) + 1)
-        if DO_RECV:
-            received = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
-            tl.store(control + SEQUENCE_RECEIVED + slot, received)
-            fence_system(GPU)
-            for source in range(0, NUM_RANKS):
-                peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
-                store_relaxed(peer_control + FREED + slot * MAX_RANKS + rank, received, GPU)
+    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, SEQUENCE_SENT, SEQUENCE_RECEIVED,
+                              DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, MAX_RANKS, DO_SEND, DO_RECV, GPU)

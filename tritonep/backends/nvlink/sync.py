@@ -47,6 +47,17 @@ PHASE_NAMES = {
     8: "low_latency_combine: waiting for the peer to finish receiving the call before last",
     9: "low_latency_combine: waiting for rows from the peer",
 }
+
+
+def timeout_error(code: int, rank: int, timeout_ns: int, calls: str) -> RuntimeError:
+    """The error for a status word a timed-out wait wrote (``phase * 65536 + peer + 1``)."""
+    phase, peer = divmod(code - 1, 65536)
+    return RuntimeError(
+        f"tritonep: rank {rank} timed out after {timeout_ns / 1e9:.0f} s in phase "
+        f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or made a "
+        f"different sequence of {calls}. This Buffer cannot be used any more.")
+
+
 # Spins that stand in for the timeout in the interpreter (each spin is a Python call).
 INTERPRETER_MAX_SPINS = 2_000_000
 
@@ -174,3 +185,38 @@ def store_relaxed(pointer, value, GPU: tl.constexpr):
                                   [pointer, value.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.atomic_xchg(pointer, value.to(tl.int64), sem="relaxed", scope="sys")
+
+
+@triton.jit
+def begin_low_latency_send(control, sequence_sent, freed, slot, status_ptr, timeout_ns, phase,
+                           NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, MAX_RANKS: tl.constexpr,
+                           GPU: tl.constexpr):
+    """A low-latency send's use number of its slot, after every peer finished receiving the
+    slot's previous use (the peers write ``freed + slot * MAX_RANKS + peer``)."""
+    call = load_acquire(control + sequence_sent + slot, GPU) + 1
+    ranks = tl.arange(0, RANKS_PAD)
+    wait_all_at_least(control + freed + slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1), call - 1,
+                      ranks < NUM_RANKS, status_ptr, timeout_ns, phase, ranks, GPU)
+    return call
+
+
+@triton.jit
+def finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, sequence_sent, sequence_received,
+                              done_send, done_receive, freed, NUM_RANKS: tl.constexpr, MAX_RANKS: tl.constexpr,
+                              DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, GPU: tl.constexpr):
+    """The last program of a low-latency launch advances the slot's use counters; after a
+    receive it tells every source that this rank's slot may be written by its next use."""
+    if DO_RECV:
+        done_word = control + done_receive
+    else:
+        done_word = control + done_send
+    if last_program_done(done_word):
+        if DO_SEND:
+            tl.store(control + sequence_sent + slot, load_acquire(control + sequence_sent + slot, GPU) + 1)
+        if DO_RECV:
+            received = load_acquire(control + sequence_received + slot, GPU) + 1
+            tl.store(control + sequence_received + slot, received)
+            fence_system(GPU)
+            for source in range(0, NUM_RANKS):
+                peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
+                store_relaxed(peer_control + freed + slot * MAX_RANKS + rank, received, GPU)
