@@ -2,15 +2,21 @@
 
 ``kernel[grid](...)`` binds the arguments, computes a specialisation key and looks the
 compiled kernel up on every call: tens of microseconds for kernels with many arguments,
-which a decode-time call cannot afford. ``FastLauncher`` does that once per specialisation
-(the constexpr values, which pointer arguments are 16-byte aligned and which integers need
-64 bits: what Triton specialises our arguments on) and afterwards calls the compiled kernel directly.
-Integer arguments must be listed in the kernel's ``do_not_specialize``. Under the
-interpreter it is a plain ``kernel[grid](...)``.
+which a decode-time call cannot afford and a normal-mode call pays several times.
+``FastLauncher`` does that once per specialisation and afterwards calls the compiled kernel
+directly. Its key holds what Triton specialises our arguments on: the constexpr values,
+which pointers are 16-byte aligned, and for integers whether they need 64 bits and, unless
+the kernel lists them in ``do_not_specialize``, whether they equal 1 or divide by 16. A key
+seen for the first time goes through ``kernel[grid]`` (which compiles only if Triton's own
+cache misses). Under the interpreter it is a plain ``kernel[grid](...)``.
+
+Use it with Triton's syntax, ``launcher[(programs,)](*args, NAME=value, ..., num_warps=w)``:
+runtime arguments positionally, in the kernel's order, then the constexprs by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,19 +24,34 @@ import torch
 from .sync import INTERPRET
 
 
+def _arg_kind(value: Any, specialised: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        fits_32_bits = -2**31 <= value < 2**31
+        return (fits_32_bits, value == 1, value % 16 == 0) if specialised else fits_32_bits
+    return value   # anything else (None, floats) is part of the key as it is
+
+
 class FastLauncher:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.names = kernel.arg_names
+        # (The interpreter's functions have no params; they never reach the fast path.)
+        self.specialised = [not param.do_not_specialize for param in getattr(kernel, "params", ())]
         self.compiled: dict[tuple, Any] = {}
+
+    def __getitem__(self, grid: tuple[int]) -> Callable[..., None]:
+        def launch(*args: Any, num_warps: int = 4, **constants: Any) -> None:
+            self(grid[0], args, constants, num_warps)
+        return launch
 
     def __call__(self, grid: int, args: tuple, constants: dict[str, Any], num_warps: int) -> None:
         """``args``: the non-constexpr arguments in order; ``constants``: the constexprs by name."""
         if INTERPRET:
             self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
             return
-        # Triton specialises tensors on 16-byte alignment and types ints as i32 or i64.
-        kinds = tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else -2**31 <= a < 2**31 for a in args)
+        kinds = tuple(_arg_kind(value, specialised) for value, specialised in zip(args, self.specialised))
         key = (tuple(constants.values()), kinds, num_warps)
         compiled = self.compiled.get(key)
         if compiled is None:
