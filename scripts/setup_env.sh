@@ -95,7 +95,8 @@ PYEOF
 
 # _make_venv DIR NUMPY_REQUIREMENT: builds, updates or reuses the venv DIR; sets _venv_python.
 _make_venv() {
-    local dir=$1 numpy_requirement=$2 python=$1/bin/python how=reusing
+    # python by absolute path: the editable-install check below runs it from /.
+    local dir=$1 numpy_requirement=$2 python=$PWD/$1/bin/python how=reusing
     # shellcheck disable=SC2206  # the requirements contain no spaces or globs
     local requirements=($_requirements "$numpy_requirement")
     if [ -e "$dir" ] && [ "$_fresh" = 1 ]; then
