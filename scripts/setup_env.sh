@@ -128,7 +128,8 @@ _make_venv() {
     # where the current directory cannot shadow the installed package).
     local here installed isolation=--no-build-isolation
     here=$(pwd -P)
-    installed=$(cd / && "$python" -c 'import os, tritonep; print(os.path.dirname(os.path.dirname(os.path.realpath(tritonep.__file__))))' 2>/dev/null || true)
+    # find_spec locates the package without importing it (and torch with it).
+    installed=$(cd / && "$python" -c 'import importlib.util as u, os; s = u.find_spec("tritonep"); print(os.path.dirname(os.path.dirname(os.path.realpath(s.origin))))' 2>/dev/null || true)
     if [ "$installed" != "$here" ]; then
         echo "setup_env: $dir: pip install --no-deps -e ." >&2
         # The venv's own setuptools (>= 64 for editable installs from pyproject.toml) saves a
