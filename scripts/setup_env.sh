@@ -122,6 +122,7 @@ _make_venv() {
     fi
     if ! _satisfied "$python" "${requirements[@]}"; then
         echo "setup_env: $dir: pip install ${requirements[*]}" >&2
+        [ "$how" = reusing ] && how=updated
         "$python" -m pip install -q --progress-bar off "${requirements[@]}" || return 1
     fi
     # tritonep in editable mode, unless this checkout is the one installed (checked from /,
