@@ -3,10 +3,12 @@
 #   source scripts/setup_env.sh        $PY: torch, triton, numpy, tritonep
 #   source scripts/setup_env.sh test   the same plus pytest, hypothesis, ruff, and also
 #                                      $PY_INTERPRETER: the Python for the interpreter tests
+# $PY_AS_IS is 1 when an existing interpreter is used as it is (1 and 2 below), else 0.
 #
 # Which Python, first match wins:
 #   1. PYTHON=/path/to/python: that interpreter as it is; nothing is installed, tritonep is
-#      imported from this checkout (PYTHONPATH). Both $PY and $PY_INTERPRETER.
+#      imported from this checkout (PYTHONPATH). Both $PY and $PY_INTERPRETER. It needs torch
+#      and numpy, and for tests pytest and hypothesis (ruff too, or run_tests.sh skips lint).
 #   2. python3 with a CUDA torch that sees a GPU (the GPU machines, which have no network):
 #      python3 as it is, as in 1.
 #   3. Otherwise our own virtual environments, which do not see the machine's packages:
@@ -20,7 +22,7 @@
 # run in CPU tests) converts 1-element arrays to Python ints in a way numpy >= 2.4 forbids,
 # so any kernel loop with runtime bounds fails (triton-lang/triton#9171, fixed upstream after
 # 3.6). Users have numpy 2.4, so the package and the main suite are tested with it; only the
-# interpreter tests run against numpy<2.4. Drop .venv-interpreter once Triton is upgraded.
+# interpreter tests run against numpy<2.4. Drop .venv-interpreter with a Triton that has the fix.
 
 _want_test=${1:-}
 # torch pinned: this exact CPU build lies on the CPU machines' local wheel store; an unpinned
@@ -45,16 +47,16 @@ _importable() {
 _use_as_is() {
     local python=$1 why=$2 missing
     missing=$(_importable "$python" torch numpy)
-    [ "$_want_test" = test ] && missing="$missing$(_importable "$python" pytest hypothesis ruff)"
+    [ "$_want_test" = test ] && missing="$missing$(_importable "$python" pytest hypothesis)"
     if [ -n "$missing" ]; then
-        echo "setup_env: $python ($why) lacks: $missing" >&2
-        echo "setup_env: install them there, or leave PYTHON unset to get a .venv built for you" >&2
+        echo "setup_env: $python ($why) lacks: ${missing% }; install them there" >&2
         return 1
     fi
     # Not installed there: import tritonep from this checkout (spawned rank processes too).
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     PY=$python
     PY_INTERPRETER=$python
+    PY_AS_IS=1
     echo "setup_env: using $python as is ($why): $(_versions "$python")" >&2
 }
 
@@ -151,6 +153,7 @@ elif [ -n "$_base_python" ] && "$_base_python" -c 'import sys, torch; sys.exit(n
 else
     _make_venv .venv numpy
     PY=$_venv_python
+    PY_AS_IS=0
     if [ "$_want_test" = test ]; then
         _make_venv .venv-interpreter "numpy<2.4"
         PY_INTERPRETER=$_venv_python

@@ -29,8 +29,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # fixed upstream after 3.6). run_tests.sh runs these tests in an environment of their own.
 NUMPY_VERSION = tuple(int(part) for part in numpy.__version__.split(".")[:2])
 INTERPRETER_SKIP_REASON = (
-    f"Triton 3.6's interpreter fails under numpy >= 2.4 (this environment has numpy {numpy.__version__}): "
-    "`bash scripts/run_tests.sh` runs these tests in their own environment (.venv-interpreter, numpy<2.4)")
+    f"Triton 3.6's interpreter fails under numpy >= 2.4 (here numpy {numpy.__version__}; triton-lang/triton#9171): "
+    "run these tests with numpy<2.4, as `bash scripts/run_tests.sh` does in its own environment, .venv-interpreter")
 
 
 # tryfirst: the marks must be in place before pytest's -m selection looks at them.
