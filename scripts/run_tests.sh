@@ -28,10 +28,10 @@ runs=0
 # run_pytest NAME PYTHON MARKERS: one pytest run over the suite, with this script's arguments.
 # Environment variables written before the call (VAR=x run_pytest ...) reach that run only.
 run_pytest() {
-    local name=$1 python=$2 markers=$3 rc=0 shown
+    local name=$1 python=$2 markers=$3 rc=0 shown=
     shift 3
-    printf -v shown ' %q' "$@"   # the arguments as they would be typed
-    echo "== run_tests.sh: $name run: $python -m pytest -q -m \"$markers\"${shown% ''}"
+    [ $# -eq 0 ] || printf -v shown ' %q' "$@"   # the arguments as they would be typed
+    echo "== run_tests.sh: $name run: $python -m pytest -q -m \"$markers\"$shown"
     "$python" -m pytest -q -m "$markers" "$@" || rc=$?
     runs=$((runs + 1))
     if [ "$rc" -eq 5 ]; then
