@@ -1,4 +1,6 @@
-"""Shared pytest set-up: GPU tests skip themselves without GPUs; hypothesis has a CI profile.
+"""Shared pytest set-up: GPU tests skip themselves without GPUs; tests of the kernels under
+Triton's interpreter are marked ``interpreter`` and skip themselves under numpy >= 2.4;
+hypothesis has a CI profile.
 
 Select a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``ci`` by default, ``dev`` for a
 longer local search).
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -21,7 +24,24 @@ settings.register_profile("dev", max_examples=200, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# Triton 3.6's interpreter turns 1-element arrays into ints with int(array), which numpy >= 2.4
+# forbids, so kernels whose loops have runtime bounds fail under it (triton-lang/triton#9171,
+# fixed upstream after 3.6). run_tests.sh runs these tests in an environment of their own.
+NUMPY_VERSION = tuple(int(part) for part in numpy.__version__.split(".")[:2])
+INTERPRETER_SKIP_REASON = (
+    f"Triton 3.6's interpreter fails under numpy >= 2.4 (here numpy {numpy.__version__}; triton-lang/triton#9171): "
+    "run these tests with numpy<2.4, as `bash scripts/run_tests.sh` does in its own environment, .venv-interpreter")
+
+
+# tryfirst: the marks must be in place before pytest's -m selection looks at them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "interpreter_pools" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.interpreter)
+            if NUMPY_VERSION >= (2, 4):
+                item.add_marker(pytest.mark.skip(reason=INTERPRETER_SKIP_REASON))
+
     # device_count() asks the driver without initialising CUDA, so this is safe in the parent
     # of spawned rank processes.
     num_gpus = torch.cuda.device_count()
@@ -36,7 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def interpreter_pools():
     """``get(num_ranks)`` -> a RankPool of CPU ranks running Triton's interpreter
-    (``TRITON_INTERPRET=1`` is inherited by the spawned ranks); pools live for the module."""
+    (``TRITON_INTERPRET=1`` is inherited by the spawned ranks); pools live for the module.
+    Tests that use it are marked ``interpreter`` (see pytest_collection_modifyitems)."""
     from tritonep.launch import RankPool
 
     previous = os.environ.get("TRITON_INTERPRET")
