@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|ll]   quick: a subset of the GPU tests, no benchmark sweep;
-#                                             ll: the low-latency tests and benchmark only
+#   bash scripts/gpu_check.sh [quick|full|ll|compat]
+#     quick: a subset of the GPU tests, no benchmark sweep; ll: the low-latency tests and
+#     benchmark only; compat: the DeepEP compatibility tests and the host-path probe (plain and
+#     under DeepEP's torch defaults), which also run on a machine with one GPU.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -22,6 +24,20 @@ status=0
 } > "$OUT/system.txt" 2>&1
 cat "$OUT/system.txt"
 
+if [ "$MODE" = compat ]; then
+  echo "== compatibility tests (R = $(nvidia-smi -L | wc -l) GPUs)"
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_deep_ep_compat.py -p no:cacheprovider \
+    2>&1 | tee "$OUT/gpu_compat_tests.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  for defaults in "" --defaults; do
+    echo "== host path probe $defaults"
+    timeout 240 python3 scripts/host_path_probe.py $defaults --json "$OUT/host_path${defaults:+_defaults}.json" \
+      2>&1 | grep -v Warning | tee -a "$OUT/host_path.log" | tail -45
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  exit $status
+fi
+
 if [ "$MODE" = quick ]; then
   tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py -k "variants or 7168 or race or graph")
   bench_args=()
@@ -29,7 +45,7 @@ elif [ "$MODE" = ll ]; then
   tests=(tests/test_nvlink_low_latency.py)
   bench_args=(--skip-normal)
 else
-  tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py)
+  tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py)
   bench_args=(--sweep)
 fi
 echo "== GPU tests ($MODE)"

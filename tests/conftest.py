@@ -44,13 +44,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     # device_count() asks the driver without initialising CUDA, so this is safe in the parent
     # of spawned rank processes.
+    # A test that sizes its group from the machine may say it runs on one GPU too:
+    # @pytest.mark.gpu(min_gpus=1); the rest need two.
     num_gpus = torch.cuda.device_count()
-    if num_gpus >= 2:
-        return
-    skip = pytest.mark.skip(reason=f"marked gpu: needs >= 2 CUDA GPUs, this machine has {num_gpus}")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        min_gpus = marker.kwargs.get("min_gpus", 2)
+        if num_gpus < min_gpus:
+            item.add_marker(pytest.mark.skip(reason=f"marked gpu: needs >= {min_gpus} CUDA GPUs, this machine has "
+                                                    f"{num_gpus}"))
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ class Ranks:
 
 
 @pytest.fixture(scope="module", params=[pytest.param(2, id="cpu2"), pytest.param(3, id="cpu3"),
-                                        pytest.param(0, id="gpu", marks=pytest.mark.gpu)])
+                                        pytest.param(0, id="gpu", marks=pytest.mark.gpu(min_gpus=1))])
 def ranks(request: pytest.FixtureRequest):
     if request.param == 0:
         pool, problem = RankPool(torch.cuda.device_count(), use_gpu=True, timeout=600), GPU_PROBLEM
