@@ -9,10 +9,12 @@ import torch
 def random_routing(generator: torch.Generator, num_tokens: int, num_experts: int, num_topk: int,
                    drop: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct top-k experts per token, a ``drop`` share of slots set to -1, and weights."""
-    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    # dtype and device explicit: ranks may run under other torch defaults (tests/torch_defaults.py).
+    cpu32 = dict(generator=generator, dtype=torch.float32, device="cpu")
+    scores = torch.rand(num_tokens, num_experts, **cpu32)
     topk_idx = scores.topk(num_topk, dim=1).indices if num_tokens else torch.zeros(0, num_topk, dtype=torch.int64)
-    topk_idx = torch.where(torch.rand(num_tokens, num_topk, generator=generator) < drop, -1, topk_idx)
-    weights = torch.rand(num_tokens, num_topk, generator=generator)
+    topk_idx = torch.where(torch.rand(num_tokens, num_topk, **cpu32) < drop, -1, topk_idx)
+    weights = torch.rand(num_tokens, num_topk, **cpu32)
     return topk_idx, weights
 
 

@@ -62,6 +62,8 @@ def interpreter_pools():
     """``get(num_ranks)`` -> a RankPool of CPU ranks running Triton's interpreter
     (``TRITON_INTERPRET=1`` is inherited by the spawned ranks); pools live for the module.
     Tests that use it are marked ``interpreter`` (see pytest_collection_modifyitems)."""
+    from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE reruns (tests/torch_defaults.py)
+
     from tritonep.launch import RankPool
 
     previous = os.environ.get("TRITON_INTERPRET")
@@ -70,7 +72,7 @@ def interpreter_pools():
     try:
         def get(num_ranks: int) -> RankPool:
             if num_ranks not in pools:
-                pools[num_ranks] = RankPool(num_ranks, timeout=900)
+                pools[num_ranks] = RankPool(num_ranks, timeout=900, **pool_options())
             return pools[num_ranks]
         yield get
     finally:

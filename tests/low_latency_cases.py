@@ -53,9 +53,9 @@ def buffers(group: dist.ProcessGroup, rdma_bytes: int) -> tuple[deep_ep.Buffer, 
 def make_inputs(case: LowLatencyCase, rank: int, round_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(case.seed * 7919 + round_index * 101 + rank)
     n, k, e = case.tokens[rank], case.num_topk, case.num_experts
-    x = (torch.randn(n, case.hidden, generator=generator)
-         * torch.exp(torch.randn(n, 1, generator=generator))).to(torch.bfloat16)
-    scores = torch.rand(n, e, generator=generator)
+    x = (torch.randn(n, case.hidden, generator=generator, dtype=torch.float32, device="cpu")
+         * torch.exp(torch.randn(n, 1, generator=generator, dtype=torch.float32, device="cpu"))).to(torch.bfloat16)
+    scores = torch.rand(n, e, generator=generator, dtype=torch.float32, device="cpu")
     if case.routing == "skewed":
         scores[:, : max(1, e // 8)] += 2.0
     elif case.routing == "one_expert":
@@ -64,8 +64,8 @@ def make_inputs(case: LowLatencyCase, rank: int, round_index: int) -> tuple[torc
     if case.routing == "none":
         topk_idx.fill_(-1)
     else:
-        topk_idx[torch.rand(n, k, generator=generator) < 0.1] = -1
-    return x, topk_idx, torch.rand(n, k, generator=generator)
+        topk_idx[torch.rand(n, k, generator=generator, dtype=torch.float32, device="cpu") < 0.1] = -1
+    return x, topk_idx, torch.rand(n, k, generator=generator, dtype=torch.float32, device="cpu")
 
 
 def expert_outputs(packed, use_fp8: bool, rank: int) -> torch.Tensor:
@@ -137,7 +137,7 @@ def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase) -> list[
     nvlink, cpu = buffers(group, rdma_bytes)
     experts_local = case.num_experts // group.size()
     stats = {"nvlink": {"recv": torch.zeros(experts_local, dtype=torch.int32, device=nvlink.device)},
-             "cpu": {"recv": torch.zeros(experts_local, dtype=torch.int32)}}
+             "cpu": {"recv": torch.zeros(experts_local, dtype=torch.int32, device="cpu")}}
     problems: list[str] = []
     for round_index in range(case.calls):
         inputs = make_inputs(case, group.rank(), round_index)
@@ -198,7 +198,7 @@ def stalled_peer_error(group: dist.ProcessGroup) -> str:
                                                                                        num_experts))
     message = ""
     if group.rank() == 0:
-        x = torch.randn(T, hidden, device=buffer.device).to(torch.bfloat16)
+        x = torch.randn(T, hidden, device=buffer.device, dtype=torch.float32).to(torch.bfloat16)
         topk_idx = torch.zeros(T, 1, dtype=torch.int64, device=buffer.device)
         buffer.low_latency_dispatch(x, topk_idx, T, num_experts)
         if buffer.device.type == "cuda":

@@ -63,8 +63,10 @@ def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, 
 def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
     generator = torch.Generator().manual_seed(case.seed * 1000 + rank)
     n, k, e = case.tokens[rank], case.num_topk, case.num_experts
-    x = torch.randn(n, case.hidden, generator=generator).to(torch.bfloat16)
-    scores = torch.rand(n, e, generator=generator)
+    # dtype and device explicit: GPU runs may set other torch defaults (tests/torch_defaults.py).
+    cpu32 = dict(generator=generator, dtype=torch.float32, device="cpu")
+    x = torch.randn(n, case.hidden, **cpu32).to(torch.bfloat16)
+    scores = torch.rand(n, e, **cpu32)
     if case.routing == "skewed":
         scores[:, : max(1, e // 8)] += 2.0          # most tokens prefer the first rank's experts
     elif case.routing == "one_rank":
@@ -73,15 +75,15 @@ def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
     if case.routing == "none":
         topk_idx.fill_(-1)
     else:
-        topk_idx[torch.rand(n, k, generator=generator) < 0.1] = -1
-    inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": torch.rand(n, k, generator=generator)}
+        topk_idx[torch.rand(n, k, **cpu32) < 0.1] = -1
+    inputs = {"x": x, "topk_idx": topk_idx, "topk_weights": torch.rand(n, k, **cpu32)}
     # Cast once, on the CPU: both backends must then move identical fp8 bytes and scales.
     inputs["dispatch_x"] = utils.per_token_cast_to_fp8(x) if case.fp8 else x
     if case.fp8 and case.column_major_scales:
         data, scales = inputs["dispatch_x"]
         inputs["dispatch_x"] = (data, scales.t().contiguous().t())   # same values, strides (1, N)
     if case.bias:
-        inputs["bias"] = torch.randn(n, case.hidden, generator=generator).to(torch.bfloat16)
+        inputs["bias"] = torch.randn(n, case.hidden, **cpu32).to(torch.bfloat16)
     return inputs
 
 
@@ -163,11 +165,11 @@ def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) 
     topk_idx = torch.randint(0, num_experts, (64, 4), device=nvlink.device)
     if group.rank() == 0:
         topk_idx[5, 2] = num_experts
-    x = torch.randn(64, 256, device=nvlink.device).to(torch.bfloat16)
+    x = torch.randn(64, 256, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)
     per_rank, _, per_expert, in_rank, _ = nvlink.get_dispatch_layout(topk_idx, num_experts)
     try:
         nvlink.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=topk_idx, topk_weights=torch.rand(64, 4, device=nvlink.device))
+                        topk_idx=topk_idx, topk_weights=torch.rand(64, 4, device=nvlink.device, dtype=torch.float32))
     except deep_ep.InputError as error:
         return str(error)
     return ""
@@ -179,11 +181,11 @@ def padding_overflow_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -
     nvlink, _ = _buffers(group, nvl_bytes)
     num_experts = 4 * group.size()
     topk_idx = torch.tensor([[0, 1]] * 8, device=nvlink.device)   # every rank sends 8 tokens to rank 0
-    x = torch.randn(8, 128, device=nvlink.device).to(torch.bfloat16)
+    x = torch.randn(8, 128, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)
     per_rank, _, per_expert, in_rank, _ = nvlink.get_dispatch_layout(topk_idx, num_experts)
     recv_x, _, _, _, handle, _ = nvlink.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=torch.rand(8, 2, device=nvlink.device), num_worst_tokens=4)
+        topk_idx=topk_idx, topk_weights=torch.rand(8, 2, device=nvlink.device, dtype=torch.float32), num_worst_tokens=4)
     try:
         nvlink.combine(recv_x, handle)
     except deep_ep.InputError as error:
@@ -198,9 +200,9 @@ def low_latency_only_buffer(group: dist.ProcessGroup) -> tuple[bool, str]:
     buffer = make_buffer(group, "nvlink", num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
         T, hidden, group.size(), num_experts), low_latency_mode=True)
     device = buffer.device
-    x = torch.randn(T, hidden, device=device).to(torch.bfloat16)
+    x = torch.randn(T, hidden, device=device, dtype=torch.float32).to(torch.bfloat16)
     topk_idx = torch.stack([torch.randperm(num_experts, device=device)[:2] for _ in range(T)])
-    weights = torch.rand(T, 2, device=device)
+    weights = torch.rand(T, 2, device=device, dtype=torch.float32)
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, num_experts, use_fp8=False)
     combined, _, _ = buffer.low_latency_combine(recv_x, topk_idx, weights, handle)   # identity experts
     expected = (x.float() * weights.sum(1, keepdim=True)).to(torch.bfloat16)

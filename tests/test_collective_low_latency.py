@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from collective_inputs import odd_strides_if_empty, random_routing
+from torch_defaults import pool_options
 
 import tritonep as deep_ep
 from tritonep.checks import InputError
@@ -22,15 +23,15 @@ T = 6             # num_max_dispatch_tokens_per_rank
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
 def pool(request: pytest.FixtureRequest):
-    with RankPool(request.param, timeout=120) as ranks:
+    with RankPool(request.param, timeout=120, **pool_options()) as ranks:
         yield ranks
 
 
 def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_topk: int,
                 drop: float = 0.25) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = (torch.randn(num_tokens, hidden, generator=g)
-         * torch.exp(torch.randn(num_tokens, 1, generator=g) * 2)).bfloat16()
+    x = (torch.randn(num_tokens, hidden, generator=g, dtype=torch.float32, device="cpu")
+         * torch.exp(torch.randn(num_tokens, 1, generator=g, dtype=torch.float32, device="cpu") * 2)).bfloat16()
     topk_idx, weights = random_routing(g, num_tokens, NUM_EXPERTS, num_topk, drop)
     return odd_strides_if_empty(x, hidden), topk_idx, weights
 

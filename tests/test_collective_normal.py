@@ -11,6 +11,7 @@ import torch
 from collective_inputs import odd_strides_if_empty, random_routing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch_defaults import pool_options
 
 import tritonep as deep_ep
 from tritonep import fp8
@@ -22,7 +23,7 @@ NUM_EXPERTS = 12  # divisible by 1, 2, 3 and 4 ranks
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
 def pool(request: pytest.FixtureRequest):
-    with RankPool(request.param, timeout=120) as ranks:
+    with RankPool(request.param, timeout=120, **pool_options()) as ranks:
         yield ranks
 
 
@@ -30,7 +31,7 @@ def pool(request: pytest.FixtureRequest):
 def make_inputs(seed: int, rank: int, num_tokens: int, hidden: int, num_topk: int, num_experts: int,
                 drop: float = 0.25) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randn(num_tokens, hidden, generator=g).bfloat16()
+    x = torch.randn(num_tokens, hidden, generator=g, dtype=torch.float32, device="cpu").bfloat16()
     topk_idx, weights = random_routing(g, num_tokens, num_experts, num_topk, drop)
     return odd_strides_if_empty(x, hidden), topk_idx, weights
 
@@ -179,8 +180,8 @@ def case_combine(group, seed: int, sizes: list[int], hidden: int, bias_kind: str
         recv_x[real:] = 7  # padding rows must be ignored
         recv_w[real:] = 7
     g = torch.Generator().manual_seed(seed + 17 * me)
-    b0 = torch.randn(sizes[me], hidden, generator=g).bfloat16()
-    b1 = torch.randn(sizes[me], hidden, generator=g).bfloat16()
+    b0 = torch.randn(sizes[me], hidden, generator=g, dtype=torch.float32, device="cpu").bfloat16()
+    b1 = torch.randn(sizes[me], hidden, generator=g, dtype=torch.float32, device="cpu").bfloat16()
     bias = {"none": None, "tensor": b0, "tuple": (b0, b1), "tuple_none": (None, b1)}[bias_kind]
     combined, combined_w, _ = buffer.combine(recv_x, handle, topk_weights=recv_w, bias=bias)
     copies = torch.tensor([[sum(row)] for row in brute_layout(topk_idx, NUM_EXPERTS, group.size())[2]],
@@ -265,7 +266,7 @@ def case_no_topk(group, seed: int, sizes: list[int]) -> None:
 # ---------------------------------------------------------------------------- tests
 def sizes_for(num_ranks: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(0, 12, (num_ranks,), generator=g).tolist()
+    sizes = torch.randint(0, 12, (num_ranks,), generator=g, device="cpu").tolist()
     if num_ranks > 1:
         sizes[seed % num_ranks] = 0  # one rank sends nothing
     return sizes

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch_defaults import default_dtype, pool_options, torch_defaults
 
 import tritonep as deep_ep
 from tritonep import InputError
@@ -33,7 +34,8 @@ M = 5  # rows the 1-rank dispatch of ctx receives: the tokens with at least one 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def group():
-    """A gloo group of world size 1 in this process."""
+    """A gloo group of world size 1 in this process. The module's in-process cases run under the
+    default dtype TRITONEP_TEST_DEFAULT_DTYPE asks for, like the rank workers (torch_defaults.py)."""
     created = False
     if not dist.is_initialized():
         store_file = tempfile.NamedTemporaryFile(prefix="tritonep_errors_", delete=False)
@@ -43,7 +45,8 @@ def group():
         created = True
     if dist.get_world_size() != 1:
         pytest.skip("a process group of another size is already initialised in this process")
-    yield dist.group.WORLD
+    with torch_defaults(default_dtype()):
+        yield dist.group.WORLD
     if created:
         dist.destroy_process_group()
 
@@ -109,9 +112,9 @@ def ctx(group) -> Ctx:
     ll = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, num_rdma_bytes=rdma, low_latency_mode=True)
     other = deep_ep.Buffer(group, num_nvl_bytes=1 << 20)
     other_ll = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, num_rdma_bytes=rdma, low_latency_mode=True)
-    x = torch.randn(N, H).to(torch.bfloat16)
+    x = torch.randn(N, H, dtype=torch.float32).to(torch.bfloat16)
     topk = torch.tensor([[0, 1], [2, -1], [-1, -1], [3, 0], [1, 2], [-1, 3]], dtype=torch.int64)
-    weights = torch.rand(N, K)
+    weights = torch.rand(N, K, dtype=torch.float32)
     recv_x, handle = _normal_dispatch(buf, x, topk, weights)
     _, ll_normal_handle = _normal_dispatch(ll, x, topk, weights)
     _, other_handle = _normal_dispatch(other, x, topk, weights)
@@ -139,11 +142,11 @@ def guarded(ctx: Ctx):
 
 # ----------------------------------------------------------------------------- the cases
 def _fp8(rows: int, hidden: int) -> torch.Tensor:
-    return torch.randn(rows, hidden).to(FP8)
+    return torch.randn(rows, hidden, dtype=torch.float32).to(FP8)
 
 
 def _noncontiguous_x() -> torch.Tensor:
-    x = torch.randn(N, 2 * H).to(torch.bfloat16)[:, ::2]
+    x = torch.randn(N, 2 * H, dtype=torch.float32).to(torch.bfloat16)[:, ::2]
     assert x.shape == (N, H) and not x.is_contiguous()
     return x
 
@@ -198,16 +201,16 @@ CASES: dict[str, Case] = {
         ("x must be a torch.Tensor", "got list")),
     # ---- dispatch: fp8 tuple
     "dispatch: fp8 hidden not a multiple of 128": (
-        lambda c: c.buf.dispatch((_fp8(N, 200), torch.ones(N, 2)), **c.dispatch_kwargs()),
+        lambda c: c.buf.dispatch((_fp8(N, 200), torch.ones(N, 2, dtype=torch.float32)), **c.dispatch_kwargs()),
         ("hidden to be a multiple of 128", "got 200")),
     "dispatch: fp8 scales too many columns": (
-        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N, H // 128 + 1)), **c.dispatch_kwargs()),
+        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N, H // 128 + 1, dtype=torch.float32)), **c.dispatch_kwargs()),
         (f"x[1] (scales) must have shape [{N}, {H // 128}]", f"got [{N}, {H // 128 + 1}]")),
     "dispatch: fp8 scales wrong rows": (
-        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N - 1, H // 128)), **c.dispatch_kwargs()),
+        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N - 1, H // 128, dtype=torch.float32)), **c.dispatch_kwargs()),
         (f"x[1] (scales) must have shape [{N}, {H // 128}]", f"got [{N - 1}, {H // 128}]")),
     "dispatch: fp8 scales 1-D": (
-        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N)), **c.dispatch_kwargs()),
+        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N, dtype=torch.float32)), **c.dispatch_kwargs()),
         ("x[1] (scales) must be a 2-D tensor", f"shape=({N},)")),
     "dispatch: fp8 scales bf16": (
         lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N, H // 128, dtype=torch.bfloat16)),
@@ -217,10 +220,11 @@ CASES: dict[str, Case] = {
         lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N, 2, dtype=torch.int32)), **c.dispatch_kwargs()),
         (f"x[1] (scales) must have shape [{N}, 1]", f"got [{N}, 2]")),
     "dispatch: fp8 data bf16": (
-        lambda c: c.buf.dispatch((c.x, torch.ones(N, H // 128)), **c.dispatch_kwargs()),
+        lambda c: c.buf.dispatch((c.x, torch.ones(N, H // 128, dtype=torch.float32)), **c.dispatch_kwargs()),
         ("x[0] (fp8 data) must have dtype torch.float8_e4m3fn", "got torch.bfloat16")),
     "dispatch: x 3-tuple": (
-        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N, 2), torch.ones(N, 2)), **c.dispatch_kwargs()),
+        lambda c: c.buf.dispatch((_fp8(N, H), torch.ones(N, 2, dtype=torch.float32),
+                                  torch.ones(N, 2, dtype=torch.float32)), **c.dispatch_kwargs()),
         ("2-tuple", "got 3 elements")),
     # ---- dispatch: top-k
     "dispatch: topk_idx int32": (
@@ -239,10 +243,10 @@ CASES: dict[str, Case] = {
         lambda c: c.buf.dispatch(c.x, **c.dispatch_kwargs(topk_weights=c.weights.bfloat16())),
         ("topk_weights must have dtype torch.float32", "got torch.bfloat16")),
     "dispatch: topk_weights K mismatch": (
-        lambda c: c.buf.dispatch(c.x, **c.dispatch_kwargs(topk_weights=torch.rand(N, K + 1))),
+        lambda c: c.buf.dispatch(c.x, **c.dispatch_kwargs(topk_weights=torch.rand(N, K + 1, dtype=torch.float32))),
         (f"topk_weights must have shape [{N}, {K}]", f"got [{N}, {K + 1}]")),
     "dispatch: topk_weights rows mismatch": (
-        lambda c: c.buf.dispatch(c.x, **c.dispatch_kwargs(topk_weights=torch.rand(N + 1, K))),
+        lambda c: c.buf.dispatch(c.x, **c.dispatch_kwargs(topk_weights=torch.rand(N + 1, K, dtype=torch.float32))),
         (f"topk_weights must have shape [{N}, {K}]", f"got [{N + 1}, {K}]")),
     "dispatch: topk_idx without topk_weights": (
         lambda c: c.buf.dispatch(c.x, **c.dispatch_kwargs(topk_weights=None)),
@@ -328,10 +332,10 @@ CASES: dict[str, Case] = {
         lambda c: c.buf.combine(torch.zeros(M, 2 * H, dtype=torch.bfloat16)[:, ::2], c.handle),
         ("x must be contiguous",)),
     "combine: topk_weights wrong rows": (
-        lambda c: c.buf.combine(c.recv_x, c.handle, topk_weights=torch.rand(M + 2, K)),
+        lambda c: c.buf.combine(c.recv_x, c.handle, topk_weights=torch.rand(M + 2, K, dtype=torch.float32)),
         (f"topk_weights must have shape [{M}, *]", f"got [{M + 2}, {K}]")),
     "combine: topk_weights bf16": (
-        lambda c: c.buf.combine(c.recv_x, c.handle, topk_weights=torch.rand(M, K).bfloat16()),
+        lambda c: c.buf.combine(c.recv_x, c.handle, topk_weights=torch.rand(M, K, dtype=torch.float32).bfloat16()),
         ("topk_weights must have dtype torch.float32", "got torch.bfloat16")),
     "combine: bias wrong hidden": (
         lambda c: c.buf.combine(c.recv_x, c.handle, bias=torch.zeros(N, H // 2, dtype=torch.bfloat16)),
@@ -344,7 +348,7 @@ CASES: dict[str, Case] = {
                                                            torch.zeros(1, H, dtype=torch.bfloat16))),
         (f"bias[1] must have shape [{N}, {H}]", f"got [1, {H}]")),
     "combine: bias float32": (
-        lambda c: c.buf.combine(c.recv_x, c.handle, bias=torch.zeros(N, H)),
+        lambda c: c.buf.combine(c.recv_x, c.handle, bias=torch.zeros(N, H, dtype=torch.float32)),
         ("bias[0] must have dtype torch.bfloat16", "got torch.float32")),
     "combine: bias 3-tuple": (
         lambda c: c.buf.combine(c.recv_x, c.handle, bias=(None, None, None)),
@@ -443,17 +447,19 @@ CASES: dict[str, Case] = {
                                            c.ll_handle_own),
         (f"x must have shape [{E}, {T}, {H}]", f"got [{E}, {T + 1}, {H}]")),
     "ll combine: x float32": (
-        lambda c: c.ll.low_latency_combine(torch.zeros(E, T, H), c.topk, c.weights, c.ll_handle_own),
+        lambda c: c.ll.low_latency_combine(torch.zeros(E, T, H, dtype=torch.float32), c.topk, c.weights,
+                                           c.ll_handle_own),
         ("x must have dtype torch.bfloat16", "got torch.float32")),
     "ll combine: topk_weights shape mismatch": (
-        lambda c: c.ll.low_latency_combine(c.ll_combine_x(), c.topk, torch.rand(N, K + 1), c.ll_handle_own),
+        lambda c: c.ll.low_latency_combine(c.ll_combine_x(), c.topk, torch.rand(N, K + 1, dtype=torch.float32),
+                                           c.ll_handle_own),
         (f"topk_weights must have shape [{N}, {K}]", f"got [{N}, {K + 1}]")),
     "ll combine: topk_weights bf16": (
         lambda c: c.ll.low_latency_combine(c.ll_combine_x(), c.topk, c.weights.bfloat16(), c.ll_handle_own),
         ("topk_weights must have dtype torch.float32", "got torch.bfloat16")),
     "ll combine: more tokens than T": (
-        lambda c: c.ll.low_latency_combine(c.ll_combine_x(), torch.full((T + 1, K), -1), torch.rand(T + 1, K),
-                                           c.ll_handle_own),
+        lambda c: c.ll.low_latency_combine(c.ll_combine_x(), torch.full((T + 1, K), -1),
+                                           torch.rand(T + 1, K, dtype=torch.float32), c.ll_handle_own),
         (f"topk_idx has {T + 1} tokens", f"more than T={T}")),
     "ll combine: expert id == E": (
         lambda c: c.ll.low_latency_combine(c.ll_combine_x(), torch.full((N, K), E), c.weights,
@@ -527,6 +533,10 @@ def test_config_rejects_non_positive_num_sms() -> None:
         deep_ep.Config(num_sms=0)
 
 
+def test_in_process_cases_follow_the_default_dtype_asked_for(group) -> None:
+    assert torch.get_default_dtype() == (default_dtype() or torch.float32)
+
+
 def test_buffer_rejects_negative_sizes(group) -> None:
     with pytest.raises(InputError) as info:
         deep_ep.Buffer(group, num_nvl_bytes=-1)
@@ -539,9 +549,9 @@ def test_destroyed_buffer_rejects_every_call(group) -> None:
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E)
     buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 20, num_rdma_bytes=rdma, low_latency_mode=True,
                             explicitly_destroy=True)
-    x = torch.randn(N, H).to(torch.bfloat16)
+    x = torch.randn(N, H, dtype=torch.float32).to(torch.bfloat16)
     topk = torch.tensor([[0, 1]] * N)
-    _, handle = _normal_dispatch(buffer, x, topk, torch.rand(N, K))
+    _, handle = _normal_dispatch(buffer, x, topk, torch.rand(N, K, dtype=torch.float32))
     buffer.destroy()
     buffer.backend = NoCommunication(buffer.backend)
     calls = [
@@ -582,7 +592,7 @@ MISMATCH_TIMEOUT_S = 20.0
 
 
 def _ping(group) -> int:
-    value = torch.ones(1)
+    value = torch.ones(1, dtype=torch.float32)
     dist.all_reduce(value, group=group)
     return int(value)
 
@@ -601,7 +611,7 @@ def pair():
             except Exception:  # noqa: BLE001 - a broken pool is simply replaced
                 pass
             pool.close(force=True)
-        state["pool"] = RankPool(2, timeout=MISMATCH_TIMEOUT_S)
+        state["pool"] = RankPool(2, timeout=MISMATCH_TIMEOUT_S, **pool_options())
         return state["pool"]
 
     yield healthy
@@ -611,9 +621,10 @@ def pair():
 
 def _inputs(rank: int, hidden: int = H, num_topk: int = K, num_experts: int = E, tokens: int = N):
     generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
-    topk = torch.stack([torch.randperm(num_experts, generator=generator)[:num_topk] for _ in range(tokens)])
-    return x, topk, torch.rand(tokens, num_topk, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator, dtype=torch.float32, device="cpu").to(torch.bfloat16)
+    topk = torch.stack([torch.randperm(num_experts, generator=generator, device="cpu")[:num_topk]
+                        for _ in range(tokens)])
+    return x, topk, torch.rand(tokens, num_topk, generator=generator, dtype=torch.float32, device="cpu")
 
 
 def _dispatch(buffer, x, topk, weights, num_experts=E, **kwargs):
@@ -667,7 +678,7 @@ def _fp8_on_one_rank(group, rank):
     buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 20)
     x, topk, weights = _inputs(rank)
     if rank == 1:
-        x = (x.to(FP8), torch.ones(N, H // 128))
+        x = (x.to(FP8), torch.ones(N, H // 128, dtype=torch.float32))
     return _dispatch(buffer, x, topk, weights)
 
 
@@ -690,7 +701,7 @@ def _cached_fp8_on_one_rank(group, rank):
     x, topk, weights = _inputs(rank)
     handle = _dispatch(buffer, x, topk, weights)[4]
     if rank == 1:
-        x = (x.to(FP8), torch.ones(N, H // 128))
+        x = (x.to(FP8), torch.ones(N, H // 128, dtype=torch.float32))
     return buffer.dispatch(x, handle=handle)
 
 

@@ -41,3 +41,27 @@ def test_a_rank_that_dies_raises_instead_of_hanging() -> None:
     pool = RankPool(2, timeout=60)
     with pytest.raises(RankFailure, match="rank 1 exited"):
         pool.run(_exit_on_rank_one)
+
+
+def _defaults(group: dist.ProcessGroup) -> tuple[torch.dtype, str]:
+    return torch.get_default_dtype(), torch.get_default_device().type
+
+
+def test_default_dtype_and_device_are_set_in_every_rank() -> None:
+    with RankPool(2, timeout=60, default_dtype=torch.bfloat16, default_device="meta") as pool:
+        assert pool.run(_defaults) == [(torch.bfloat16, "meta")] * 2
+    with RankPool(1, timeout=60) as pool:
+        assert pool.run(_defaults) == [(torch.float32, "cpu")]
+
+
+def test_bad_default_dtype_is_refused_before_starting_ranks() -> None:
+    with pytest.raises(ValueError, match="floating torch.dtype"):
+        RankPool(2, default_dtype=torch.int32)
+
+
+def test_test_pools_follow_the_environment() -> None:
+    """tests/torch_defaults.py: TRITONEP_TEST_DEFAULT_DTYPE reaches the rank workers."""
+    from torch_defaults import default_dtype, pool_options
+
+    with RankPool(1, timeout=60, **pool_options()) as pool:
+        assert pool.run(_defaults) == [(default_dtype() or torch.float32, "cpu")]

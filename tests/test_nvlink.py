@@ -14,6 +14,7 @@ import random
 
 import pytest
 from nvlink_cases import Case, compare_case, invalid_expert_id_error, low_latency_only_buffer, padding_overflow_error
+from torch_defaults import pool_options
 
 from tritonep.launch import RankPool
 
@@ -66,7 +67,7 @@ def test_interpreter_low_latency_only_buffer(interpreter_pools) -> None:
 # ------------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def gpu_pool():
-    pool = RankPool(2, use_gpu=True, timeout=600)
+    pool = RankPool(2, use_gpu=True, timeout=600, **pool_options(use_gpu=True))
     yield pool
     pool.close()
 

@@ -17,6 +17,7 @@ from low_latency_cases import (
     graph_replay,
     stalled_peer_error,
 )
+from torch_defaults import pool_options
 
 from tritonep.launch import RankPool
 
@@ -55,7 +56,7 @@ def second_pending_send_error(group) -> str:
 
     T, hidden, num_experts = 4, 128, 2 * group.size()
     nvlink, _ = buffers(group, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, hidden, group.size(), num_experts))
-    x = torch.randn(T, hidden, device=nvlink.device).to(torch.bfloat16)
+    x = torch.randn(T, hidden, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)
     topk_idx = torch.zeros(T, 1, dtype=torch.int64, device=nvlink.device)
     hook = nvlink.low_latency_dispatch(x, topk_idx, T, num_experts, return_recv_hook=True)[4]
     message = ""
@@ -79,7 +80,7 @@ def test_interpreter_second_pending_send_raises(interpreter_pools) -> None:
 # ------------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def gpu_pool():
-    pool = RankPool(torch.cuda.device_count(), use_gpu=True, timeout=600)
+    pool = RankPool(torch.cuda.device_count(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
     yield pool
     pool.close()
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch_defaults import pool_options
 
 from tritonep.launch import RankFailure, RankPool
 
@@ -45,7 +46,7 @@ def pools():
     def get(num_ranks: int) -> RankPool:
         pool = started.get(num_ranks)
         if pool is None or not pool._processes:  # a pool closed by a hang is restarted
-            pool = started[num_ranks] = RankPool(num_ranks, timeout=POOL_TIMEOUT_S)
+            pool = started[num_ranks] = RankPool(num_ranks, timeout=POOL_TIMEOUT_S, **pool_options())
         return pool
 
     yield get
@@ -393,7 +394,7 @@ def _check_dispatch(world: World, r: int, result) -> None:
     M = len(rows)
     assert recv_x.shape == (M, world.H) and recv_x.dtype == torch.bfloat16, world.describe()
     # Block from source s is exactly x_s[is_token_in_rank_s[:, r]], in order; blocks by s ascending.
-    expected_x = torch.stack([world.x[s][t] for s, t in rows]) if rows else torch.empty(0, world.H)
+    expected_x = torch.stack([world.x[s][t] for s, t in rows]) if rows else torch.empty(0, world.H, dtype=torch.float32)
     assert torch.equal(recv_x.float(), expected_x.float()), f"rank {r} recv_x\n{world.describe()}"
     exp_idx = [_local_ids(world, s, t, r) for s, t in rows]
     assert recv_idx.dtype == torch.int64 and recv_idx.shape == (M, world.K)
@@ -449,7 +450,7 @@ def _check_cached(world: World, r: int, result) -> None:
     if world.fp8:
         _check_fp8_rows(world, r, recv, "cached dispatch")
     else:
-        exp = torch.stack([world.x2[s][t] for s, t in rows]) if rows else torch.empty(0, world.H)
+        exp = torch.stack([world.x2[s][t] for s, t in rows]) if rows else torch.empty(0, world.H, dtype=torch.float32)
         assert recv.shape == (len(rows), world.H)
         assert torch.equal(recv.float(), exp.float()), f"rank {r} cached recv_x\n{world.describe()}"
 
@@ -469,7 +470,7 @@ def _check_worst(world: World, r: int, result, fresh) -> None:
                           dtype=torch.float32)
     _close(combined, world.x[r].float() * copies.view(n, 1), f"rank {r} combine of a padded dispatch", world)
     assert cached.shape == (num_worst, world.H), f"rank {r} cached dispatch on a padded handle {list(cached.shape)}"
-    exp = torch.stack([world.x2[s][t] for s, t in rows]) if rows else torch.empty(0, world.H)
+    exp = torch.stack([world.x2[s][t] for s, t in rows]) if rows else torch.empty(0, world.H, dtype=torch.float32)
     assert torch.equal(cached[:M].float(), exp.float()), f"rank {r} cached dispatch on a padded handle\n" \
         + world.describe()
 
@@ -517,7 +518,7 @@ def _check_low_latency(world: World, r: int, result, combined) -> None:
     # Reference: sum_k w * bf16(x * (expert + 1)) over valid k, in float32.
     factor = _expert_factor(world.E)
     n = world.topk[r].shape[0]
-    expected = torch.zeros(n, H)
+    expected = torch.zeros(n, H, dtype=torch.float32)
     for t in range(n):
         for k in range(world.K):
             expert = int(world.topk[r][t, k])
@@ -556,7 +557,7 @@ def _check_low_latency_fp8(world: World, r: int, result, combined, stats, ll_cou
     x = world.x[r].float()
     expected = x * wsum
     err = (combined.float() - expected).abs()
-    amax = x.abs().amax(dim=1, keepdim=True) if n else torch.zeros(0, 1)
+    amax = x.abs().amax(dim=1, keepdim=True) if n else torch.zeros(0, 1, dtype=torch.float32)
     bound = wsum * (0.0625 * x.abs() + 2e-3 * amax) + 1e-2 * expected.abs() + 1e-3
     assert combined.shape == (n, H)
     assert bool((err <= bound).all()), \
@@ -666,7 +667,7 @@ def test_low_latency_ue8m0_scales(pools, seed, E_local, K):
                 expected_bytes = [int(math.log2(v)) + 127 for v in expected_scales]
                 assert got_bytes == expected_bytes, \
                     f"rank {r} expert {e} row {i}: exponent bytes {got_bytes} != {expected_bytes}"
-                deq = fp8[e, i].view(H // 128, 128) * torch.tensor(expected_scales).view(-1, 1)
+                deq = fp8[e, i].view(H // 128, 128) * torch.tensor(expected_scales, dtype=torch.float32).view(-1, 1)
                 amax = x.abs().amax(dim=1, keepdim=True)
                 assert bool(((deq - x).abs() <= 0.0625 * x.abs() + 2e-3 * amax + 1e-6).all()), \
                     f"rank {r} expert {e} row {i}: fp8 data does not decode with its ue8m0 scales"

@@ -41,7 +41,7 @@ from tritonep.launch import RankPool
 def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     """Median microseconds of ``fn`` over ``iters`` calls, all ranks starting together."""
     gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
-    align = torch.zeros(1, device="cuda" if gpu else "cpu")
+    align = torch.zeros(1, dtype=torch.float32, device="cuda" if gpu else "cpu")
     for _ in range(warmup):
         fn()
     times = []
@@ -71,7 +71,7 @@ def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, w
 def _pipelined_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) -> float:
     """Microseconds per call when calls are issued back to back (host runs ahead of the GPU,
     as in a training loop): per-call host overhead hides behind the previous call's kernels."""
-    align = torch.zeros(1, device="cuda")
+    align = torch.zeros(1, dtype=torch.float32, device="cuda")
     fn()
     dist.all_reduce(align, group=group)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -87,10 +87,10 @@ def _pipelined_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int
 
 def _make_routing(args: argparse.Namespace, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     torch.manual_seed(1234 + rank)
-    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
-    scores = torch.randn(args.tokens, args.experts, device=device).abs() + 1
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
+    scores = torch.randn(args.tokens, args.experts, dtype=torch.float32, device=device).abs() + 1
     topk_idx = scores.topk(args.topk, dim=-1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device)
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device=device)
     return x, topk_idx, topk_weights
 
 
@@ -140,7 +140,7 @@ def _bare_all_to_all_us(group, args, x, in_rank) -> float:
     """all_to_all_single of rows already grouped by destination (the transfer alone)."""
     counts = in_rank.sum(0).tolist()
     send = x[in_rank.t().nonzero()[:, 1]]
-    recv_counts = torch.tensor(counts, device=x.device)
+    recv_counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
     all_counts = torch.empty_like(recv_counts)
     dist.all_to_all_single(all_counts, recv_counts, group=group)
     recv = torch.empty(int(all_counts.sum()), x.shape[1], dtype=x.dtype, device=x.device)
@@ -153,7 +153,7 @@ def _copy_engine_ceiling(group, remote_bytes: int) -> float:
     import torch.distributed._symmetric_memory as symm_mem
 
     rank, num_ranks = group.rank(), group.size()
-    largest = torch.tensor([remote_bytes], device="cuda")
+    largest = torch.tensor([remote_bytes], dtype=torch.int64, device="cuda")
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)    # symmetric memory: same size everywhere
     per_peer = max(int(largest) // max(num_ranks - 1, 1) // 16 * 16, 16)
     buffer = symm_mem.empty(per_peer * num_ranks, dtype=torch.uint8, device="cuda")

@@ -42,7 +42,7 @@ def _measure(group: dist.ProcessGroup, buffer: deep_ep.Buffer, args: argparse.Na
              topk_idx: torch.Tensor, weights: torch.Tensor, graphs: bool) -> dict:
     T, E = args.ll_tokens, args.ll_experts
     packed, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
-    expert_out = torch.randn(packed[0].shape, device=x.device).to(torch.bfloat16)
+    expert_out = torch.randn(packed[0].shape, dtype=torch.float32, device=x.device).to(torch.bfloat16)
     result = {
         "dispatch_us": _timed_us(group, lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True),
                                  args.iters),
@@ -88,7 +88,7 @@ def _one(group: dist.ProcessGroup, fn: Callable[[], object]) -> float:
         begin = time.perf_counter()
         fn()
         return (time.perf_counter() - begin) * 1e6
-    dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+    dist.all_reduce(torch.zeros(1, dtype=torch.float32, device="cuda"), group=group)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -120,9 +120,10 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     generator = torch.Generator().manual_seed(7 + rank)
     T, E, K, H = args.ll_tokens, args.ll_experts, args.topk, args.hidden
-    x = torch.randn(T, H, generator=generator).to(torch.bfloat16).to(device)
-    topk_idx = torch.rand(T, E, generator=generator).topk(K, dim=1).indices.to(device)
-    weights = torch.rand(T, K, generator=generator).to(device)
+    cpu32 = dict(generator=generator, dtype=torch.float32, device="cpu")
+    x = torch.randn(T, H, **cpu32).to(torch.bfloat16).to(device)
+    topk_idx = torch.rand(T, E, **cpu32).topk(K, dim=1).indices.to(device)
+    weights = torch.rand(T, K, **cpu32).to(device)
     pairs = torch.tensor([topk_idx.numel()], dtype=torch.float64, device=device)
     dist.all_reduce(pairs, group=group)   # pairs sent by all ranks = received by all ranks
     received_pairs = float(pairs) / num_ranks

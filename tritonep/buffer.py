@@ -8,8 +8,10 @@ inside one node). The methods, arguments and return values follow ``deep_ep.Buff
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,9 +19,10 @@ import torch.distributed as dist
 from . import checks
 from .backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
 from .backends.nvlink.low_latency_layout import LowLatencyRegions
-from .checks import require
+from .checks import InputError, require
 from .config import Config
 from .event import EventOverlap, capture_event
+from .groups import backend_for_comm, check_comm, group_from_comm
 from .handles import DispatchHandle, LowLatencyHandle
 from .streams import on_comm_stream
 
@@ -55,46 +58,90 @@ def _round_up(value: int, multiple: int) -> int:
 class Buffer:
     """Communication buffers for expert-parallel dispatch and combine.
 
+    The constructor takes DeepEP V1's arguments, in the same order and with the same defaults.
+    It is collective: every rank of ``group`` (or of ``comm``) must call it. Every argument is
+    checked before any communication starts.
+
     Arguments:
         group: the process group of the expert-parallel ranks. gloo with CPU tensors selects
             the CPU backend; NCCL with CUDA tensors (all ranks in one node) the NVLink backend.
+            May be None when ``comm`` is given.
         num_nvl_bytes: bytes of the intranode buffer used by normal-mode dispatch/combine.
         num_rdma_bytes: bytes of the buffer used by low-latency mode (and, later, internode).
         low_latency_mode: enable the low-latency kernels.
-        num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink:
-            accepted for DeepEP compatibility; they select nothing here.
+        num_qps_per_rank: RDMA queue pairs per peer in DeepEP. No backend here uses RDMA, so the
+            value selects nothing; in low-latency mode it must still be a positive int, as in DeepEP.
+        allow_nvlink_for_low_latency_mode: False asks low-latency traffic to avoid NVLink. The
+            NVLink backend has no other path, and the collective backend on NCCL lets NCCL pick
+            its transport, so both raise InputError for False in low-latency mode; on gloo (no
+            NVLink involved) and outside low-latency mode it changes nothing.
+        allow_mnnvl: allow multi-node NVLink. Both backends work inside one node, so allowing it
+            changes nothing.
+        use_fabric: allocate the shared buffers with CUDA fabric handles. The NVLink backend's
+            memory comes from torch symmetric memory, which uses fabric handles by itself where
+            the GPU supports them; where it does not (or under the Triton interpreter) True raises
+            InputError. The collective backend shares no memory, so it ignores the flag.
         explicitly_destroy: if True, memory is released only by ``destroy()``.
-
-    The constructor is collective: every rank of ``group`` must call it.
+        enable_shrink: shrink mode (masking ranks in low-latency mode); stored as
+            ``self.enable_shrink``.
+        comm: an ``mpi4py`` communicator, used when ``group`` is None: the Buffer then makes a
+            torch process group over the same processes in the same rank order
+            (:func:`tritonep.groups.group_from_comm`; needs mpi4py). Ignored when ``group`` is given.
     """
 
     num_sms: int = 20
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         num_nvl_bytes: int = 0,
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
+        use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
+        comm: Any | None = None,
     ) -> None:
-        require(group is not None, "Buffer needs a torch.distributed process group")
-        require(num_nvl_bytes >= 0 and num_rdma_bytes >= 0,
-                f"buffer sizes must be >= 0, got num_nvl_bytes={num_nvl_bytes}, num_rdma_bytes={num_rdma_bytes}")
+        num_nvl_bytes = _byte_count("num_nvl_bytes", num_nvl_bytes)
+        num_rdma_bytes = _byte_count("num_rdma_bytes", num_rdma_bytes)
+        if low_latency_mode:
+            # DeepEP asserts this whenever it sets up RDMA, which low-latency mode always does.
+            require(_is_int(num_qps_per_rank) and num_qps_per_rank > 0,
+                    f"num_qps_per_rank must be a positive int in low-latency mode, got {num_qps_per_rank!r}")
+        if group is None:
+            require(comm is not None, "Buffer needs group (a torch.distributed ProcessGroup) or, with group=None, "
+                                      "comm (an mpi4py communicator)")
+            check_comm(comm)
+            group_backend = backend_for_comm()
+        else:
+            require(isinstance(group, dist.ProcessGroup),
+                    f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}"
+                    + ("; pass an mpi4py communicator as comm=... with group=None" if hasattr(group, "Get_rank")
+                       else ""))
+            group_backend = dist.get_backend(group)
+        kind = _backend_kind(group_backend)
+        _check_backend_options(kind, group_backend, low_latency_mode, allow_nvlink_for_low_latency_mode, use_fabric)
+        if group is None:
+            group = group_from_comm(comm)   # the first communication
         self.group = group
+        self.comm = comm
         self.rank = group.rank()
         self.group_size = group.size()
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
-        self._low_latency_sizes_checked: set[tuple[int, int, int]] = set()
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl = allow_mnnvl
+        self.use_fabric = use_fabric
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self._low_latency_sizes_checked: set[tuple[int, int, int]] = set()
         self.buffer_id = next(_buffer_ids)
-        self.backend: Backend = _make_backend(self)
+        self.backend: Backend = _make_backend(self, kind)
         self.device = self.backend.device
         self._destroyed = False
 
@@ -158,7 +205,7 @@ class Buffer:
         """
         self._check_alive()
         total = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         require(0 <= offset <= total, f"offset {offset} is outside the {total}-byte buffer")
         if size is not None:
             needed = int(torch.Size(size).numel()) * element
@@ -532,15 +579,63 @@ class Buffer:
             dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook)
 
 
-def _make_backend(buffer: Buffer) -> Backend:
-    """gloo -> the collective (CPU) backend; NCCL -> the NVLink backend.
+def _is_int(value: object) -> bool:
+    """Python and numpy integers (anything ``operator.index`` takes), not bools."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def _byte_count(name: str, value: object) -> int:
+    require(_is_int(value), f"{name} must be an int, got {value!r}")
+    count = operator.index(value)  # type: ignore[arg-type]
+    require(count >= 0, f"buffer sizes must be >= 0, got {name}={count}")
+    return count
+
+
+def _backend_kind(group_backend: str) -> str:
+    """"collective" or "nvlink" for a group of this torch.distributed backend: gloo -> the
+    collective (CPU) backend; NCCL -> the NVLink backend.
 
     ``TRITONEP_BACKEND=collective`` forces the collective backend on any group (NCCL included),
-    which is what the benchmark's all_to_all_single baseline uses.
+    which is what the benchmark's all_to_all_single baseline uses; ``=nvlink`` the NVLink backend
+    (on gloo groups under ``TRITON_INTERPRET=1``, how the CPU tests run its kernels).
     """
     choice = os.environ.get("TRITONEP_BACKEND", "auto")
-    backend_name = dist.get_backend(buffer.group)
-    if choice == "collective" or (choice == "auto" and backend_name != "nccl"):
+    if choice == "collective" or (choice == "auto" and group_backend != "nccl"):
+        return "collective"
+    return "nvlink"
+
+
+def _check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
+                           allow_nvlink_for_low_latency_mode: bool, use_fabric: bool) -> None:
+    """Raise for DeepEP options that ask for something the chosen backend cannot do (the table
+    in docs/ARCHITECTURE.md); options that mean nothing to it are accepted. Local: no communication."""
+    if low_latency_mode and not allow_nvlink_for_low_latency_mode:
+        if kind == "nvlink":
+            raise InputError("allow_nvlink_for_low_latency_mode=False: the NVLink backend moves low-latency traffic "
+                             "over NVLink only and has no other path; leave it True")
+        if group_backend == "nccl":
+            raise InputError("allow_nvlink_for_low_latency_mode=False: the collective backend on an NCCL group lets "
+                             "NCCL choose its transport, which is NVLink inside a node; leave it True")
+    if use_fabric and kind == "nvlink":
+        from .backends.nvlink.memory import fabric_memory_available
+        from .backends.nvlink.sync import INTERPRET
+
+        device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
+        require(fabric_memory_available(device),
+                f"use_fabric=True: torch symmetric memory does not allocate with CUDA fabric handles on {device} "
+                f"(it uses them by itself only where the GPU and driver support fabric memory, e.g. multi-node "
+                f"NVLink systems with IMEX; never under the Triton interpreter); use use_fabric=False")
+
+
+def _make_backend(buffer: Buffer, kind: str) -> Backend:
+    """The backend ``_backend_kind`` chose, over ``buffer.group``."""
+    if kind == "collective":
         from .backends.collective import CollectiveBackend
 
         return CollectiveBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,

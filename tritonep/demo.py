@@ -43,14 +43,15 @@ def make_weights(s: Setup) -> dict[str, torch.Tensor]:
     """Router and expert weights, identical on every rank and in the reference (CPU generator)."""
     g = torch.Generator().manual_seed(s.seed)
     scale = s.hidden ** -0.5
-    return {"router": torch.randn(s.hidden, s.experts, generator=g) * scale,
-            "w1": torch.randn(s.experts, s.hidden, s.hidden, generator=g) * scale,
-            "w2": torch.randn(s.experts, s.hidden, s.hidden, generator=g) * scale}
+    cpu32 = dict(generator=g, dtype=torch.float32, device="cpu")
+    return {"router": torch.randn(s.hidden, s.experts, **cpu32) * scale,
+            "w1": torch.randn(s.experts, s.hidden, s.hidden, **cpu32) * scale,
+            "w2": torch.randn(s.experts, s.hidden, s.hidden, **cpu32) * scale}
 
 
 def make_tokens(s: Setup, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(s.seed + 1 + rank)
-    return torch.randn(s.tokens, s.hidden, generator=g).bfloat16()
+    return torch.randn(s.tokens, s.hidden, generator=g, dtype=torch.float32, device="cpu").bfloat16()
 
 
 def route(x: torch.Tensor, router: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:

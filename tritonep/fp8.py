@@ -43,7 +43,9 @@ def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
     """
     mantissa, exponent = torch.frexp(scale)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    return torch.ldexp(torch.ones_like(scale), exponent)
+    # ldexp computes 2**exponent in the default dtype for an integer exponent (bf16 for callers
+    # that set it; exact for powers of two, but nothing here should depend on the default).
+    return torch.ldexp(torch.ones_like(scale), exponent.to(scale.dtype))
 
 
 def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:

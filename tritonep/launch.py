@@ -4,7 +4,8 @@
 then runs any number of picklable functions on all of them, returning each rank's result.
 Keeping the processes alive lets a test suite run hundreds of cases without paying process
 start-up and group creation for each one. An exception on any rank is re-raised in the caller
-with that rank's traceback.
+with that rank's traceback. ``default_dtype`` / ``default_device`` run the ranks under other
+torch defaults, as serving stacks and DeepEP's own tests set them before building a Buffer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def free_port() -> int:
@@ -27,7 +31,8 @@ class RankFailure(RuntimeError):
     """A function failed on one or more ranks; the message holds their tracebacks."""
 
 
-def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any) -> None:
+def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, default_dtype: Any = None,
+            default_device: Any = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -43,6 +48,10 @@ def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any) -> N
         **({"device_id": torch.device("cuda", rank)} if use_gpu else {}),
     )
     group = dist.group.WORLD
+    if default_dtype is not None:
+        torch.set_default_dtype(default_dtype)
+    if default_device is not None:
+        torch.set_default_device(default_device)
     while True:
         message = conn.recv()
         if message is None:
@@ -62,9 +71,22 @@ class RankPool:
         num_ranks: R.
         use_gpu: one GPU per rank with NCCL; otherwise CPU ranks with gloo.
         timeout: seconds to wait for a function on all ranks before declaring a hang.
+        default_dtype: if given, each rank calls ``torch.set_default_dtype`` with it (a floating
+            torch.dtype, e.g. torch.bfloat16) once its process group exists.
+        default_device: if given, each rank calls ``torch.set_default_device`` with it (e.g.
+            "cuda": the rank's own GPU) once its process group exists.
     """
 
-    def __init__(self, num_ranks: int, use_gpu: bool = False, timeout: float = 300.0) -> None:
+    def __init__(self, num_ranks: int, use_gpu: bool = False, timeout: float = 300.0,
+                 default_dtype: torch.dtype | None = None, default_device: str | torch.device | None = None) -> None:
+        if default_dtype is not None or default_device is not None:
+            import torch
+
+            if default_dtype is not None and not (isinstance(default_dtype, torch.dtype)
+                                                  and default_dtype.is_floating_point):
+                raise ValueError(f"default_dtype must be a floating torch.dtype, got {default_dtype!r}")
+            if default_device is not None:
+                default_device = torch.device(default_device)
         self.num_ranks = num_ranks
         self.timeout = timeout
         context = mp.get_context("spawn")
@@ -73,7 +95,8 @@ class RankPool:
         self._processes = []
         for rank in range(num_ranks):
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=_worker, args=(rank, num_ranks, port, use_gpu, child_end), daemon=True)
+            process = context.Process(target=_worker, daemon=True,
+                                      args=(rank, num_ranks, port, use_gpu, child_end, default_dtype, default_device))
             process.start()
             self._connections.append(parent_end)
             self._processes.append(process)

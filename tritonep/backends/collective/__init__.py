@@ -62,7 +62,7 @@ class CollectiveBackend(Backend):
                                 use_rdma_buffer: bool) -> torch.Tensor:
         """A view aliasing ``offset..`` of the NVLink (or RDMA) byte area."""
         area = self._area(use_rdma_buffer)
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         require(offset % element == 0, f"offset {offset} is not a multiple of the {dtype} element size {element}")
         count = int(torch.Size(size).numel()) if size is not None else (area.numel() - offset) // element
         require(offset + count * element <= area.numel(),

@@ -68,12 +68,13 @@ def _placement(expert: torch.Tensor, recv_splits: list[int], experts_per_rank: i
     num_ranks = len(recv_splits)
     device = expert.device
     num_rows = expert.numel()
-    source = torch.repeat_interleave(torch.arange(num_ranks, device=device),
-                                     torch.tensor(recv_splits, device=device), output_size=num_rows)
+    source = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int64, device=device),
+                                     torch.tensor(recv_splits, dtype=torch.int64, device=device),
+                                     output_size=num_rows)
     segment = source * experts_per_rank + expert  # non-decreasing in arrival order
     per_segment = torch.bincount(segment, minlength=num_ranks * experts_per_rank)
     segment_start = per_segment.cumsum(0) - per_segment
-    within = torch.arange(num_rows, device=device) - segment_start[segment]
+    within = torch.arange(num_rows, dtype=torch.int64, device=device) - segment_start[segment]
     counts = per_segment.view(num_ranks, experts_per_rank).t()  # [E_local, R]
     begin = counts.cumsum(1) - counts
     row = begin[expert, source] + within
@@ -165,7 +166,8 @@ def _check_combine(group: dist.ProcessGroup, layout: LowLatencyLayout, expected_
     ``recv_splits[s]`` rows from s at dispatch and will send exactly those back.
     """
     num_ranks = group.size()
-    mine = torch.cat([expected_back.to(torch.int64).cpu(), torch.tensor(layout.recv_splits + [hidden])])
+    mine = torch.cat([expected_back.to(torch.int64).cpu(),
+                      torch.tensor(layout.recv_splits + [hidden], dtype=torch.int64, device="cpu")])
     table = all_gather_rows(group, mine.to(expected_back.device))
     check_same_on_all_ranks(table[:, 2 * num_ranks:], ["hidden"], "low_latency_combine")
     for source in range(num_ranks):

@@ -148,7 +148,8 @@ def _cached_dispatch(group: dist.ProcessGroup, request: DispatchRequest) -> Disp
     scale_code, scale_cols = _scale_code(scales)
     # The layout needs no exchange, but ranks that disagree on the row size would corrupt or
     # crash the all_to_all: one tiny fixed-size gather lets all of them raise instead.
-    header = torch.tensor([hidden, int(x.dtype != torch.bfloat16), scale_code, scale_cols], device=x.device)
+    header = torch.tensor([hidden, int(x.dtype != torch.bfloat16), scale_code, scale_cols], dtype=torch.int64,
+                          device=x.device)
     check_same_on_all_ranks(all_gather_rows(group, header), _CACHED_HEADER_NAMES, "cached dispatch")
     num_rows, num_real = handle.num_recv_rows, layout.num_real_rows
     index = layout.send_token_index
@@ -176,7 +177,7 @@ def combine(group: dist.ProcessGroup, x: torch.Tensor, handle: DispatchHandle, t
     num_tokens = handle.is_token_in_rank.shape[0]
     num_real = layout.num_real_rows
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
-    header = torch.tensor([x.shape[1], int(topk_weights is not None), num_topk], device=x.device)
+    header = torch.tensor([x.shape[1], int(topk_weights is not None), num_topk], dtype=torch.int64, device=x.device)
     check_same_on_all_ranks(all_gather_rows(group, header), _COMBINE_HEADER_NAMES, "combine")
     back_x, x_work = all_to_all_rows(group, x[:num_real], layout.recv_splits, layout.send_splits, async_op=True)
     back_w = None

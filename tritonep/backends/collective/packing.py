@@ -23,7 +23,7 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with row-major strides. ``.contiguous()`` is not enough for a dtype view: it
     accepts any stride on size-1 and empty dimensions (column-major [N, 1] scales, a [0, H]
     tensor with stride 0)."""
-    if tensor.stride() == torch.empty(tensor.shape, device="meta").stride():
+    if tensor.stride() == torch.empty(tensor.shape, dtype=tensor.dtype, device="meta").stride():
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
 
@@ -44,7 +44,7 @@ def unpack_rows(packed: torch.Tensor, specs: list[tuple[torch.dtype, int]]) -> l
     """Inverse of :func:`pack_rows`: ``specs`` lists (dtype, elements per row) per part."""
     parts, start = [], 0
     for dtype, count in specs:
-        width = count * torch.empty((), dtype=dtype).element_size()
+        width = count * dtype.itemsize
         # A fresh compact copy: a column slice (even a "contiguous" one-row slice) keeps the
         # parent's row stride and offset, which view(dtype) rejects.
         column = torch.empty((packed.shape[0], width), dtype=torch.uint8, device=packed.device)

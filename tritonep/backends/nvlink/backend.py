@@ -75,7 +75,8 @@ class NvlinkBackend(Backend):
         self.half_bytes = self._memory.data_bytes // 2 // 4096 * 4096 if self._memory is not None else 0
         self.status = torch.zeros(1, dtype=torch.int64, device=self._device)
         self.invalid_ids = torch.zeros(1, dtype=torch.int32, device=self._device)
-        self.status_host = self.status if INTERPRET else torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.status_host = self.status if INTERPRET else torch.zeros(1, dtype=torch.int64, device="cpu",
+                                                                    pin_memory=True)
         self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
         self.notify_epoch = 0
         self.dispatch_epoch = 0
@@ -131,7 +132,7 @@ class NvlinkBackend(Backend):
             raise timeout_error(code, self.rank, self.timeout_ns, "dispatch/combine calls")
 
     def _remember_padding(self, rank_prefix_matrix: torch.Tensor, num_worst_tokens: int) -> None:
-        received = torch.empty(self.num_ranks, dtype=torch.int32, pin_memory=not INTERPRET)
+        received = torch.empty(self.num_ranks, dtype=torch.int32, device="cpu", pin_memory=not INTERPRET)
         received.copy_(rank_prefix_matrix[-1], non_blocking=True)
         event = None
         if not INTERPRET:
@@ -221,7 +222,8 @@ class NvlinkBackend(Backend):
         else:
             self.notify_epoch += 1
             signature = torch.zeros(8, dtype=torch.int32, device=self._device)
-            signature[:4] = torch.tensor([x_words, scale_words, num_topk, request.num_experts], dtype=torch.int32)
+            signature[:4] = torch.tensor([x_words, scale_words, num_topk, request.num_experts], dtype=torch.int32,
+                                         device=self._device)
             signature[4:5] = self.invalid_ids
             token_list, send_pos, result = notify_dispatch(
                 self.memory, request.is_token_in_rank, request.num_tokens_per_expert, signature,
@@ -240,7 +242,7 @@ class NvlinkBackend(Backend):
                 host = result.tolist()   # the host sync: output sizes depend on peers' counts
                 self.check_status()
                 self._check_agreement(host[-2], host[-1])
-                prefix_host = torch.tensor(host[: R * R]).view(R, R)
+                prefix_host = torch.tensor(host[: R * R], dtype=torch.int64, device="cpu").view(R, R)
                 received = prefix_host[-1].tolist()
                 max_send_rows = int(count_matrix_from_prefix(prefix_host).sum(1).max())
                 if max(received) > capacity:
@@ -352,7 +354,7 @@ class NvlinkBackend(Backend):
                                 use_rdma_buffer: bool) -> torch.Tensor:
         data = self.low_latency.local_bytes() if use_rdma_buffer else self.memory.local[self.memory.data_offset:]
         data = data[offset:]
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         view = data[: data.numel() // element * element].view(dtype)
         return view if size is None else view[: torch.Size(size).numel()].view(size)
 

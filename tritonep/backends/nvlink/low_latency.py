@@ -93,7 +93,7 @@ class LowLatencyEngine:
         self.memory.local[self.area: self.area + CONTROL_BYTES].zero_()
         # Kernels that time out write (phase, peer) straight into this pinned host word, so
         # checking it costs no copy and no sync.
-        self.status = torch.zeros(1, dtype=torch.int64, pin_memory=not INTERPRET)
+        self.status = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=not INTERPRET)
         self.status_address = self.status.data_ptr()
         self._status_view = self.status.numpy()   # reading it costs no torch dispatch
         self._dispatch_plans: dict[tuple, tuple] = {}

@@ -122,7 +122,49 @@ class SymmetricBuffer:
 
     def release(self) -> None:
         self._keep_alive.clear()
-        self.local = torch.empty(0, dtype=torch.uint8)
+        self.local = torch.empty(0, dtype=torch.uint8, device=self.local.device)
+
+
+CU_MEM_HANDLE_TYPE_FABRIC = 0x8
+
+
+def fabric_memory_available(device: torch.device) -> bool:
+    """Whether torch symmetric memory allocates on ``device`` with CUDA fabric handles, which is
+    what DeepEP's ``use_fabric=True`` asks for.
+
+    torch picks the handle type itself (fabric where the GPU and driver allow it, else POSIX file
+    descriptors), so the only exact answer is to allocate a small symmetric tensor (local: no
+    rendezvous, no communication) and ask the CUDA driver which handle types that allocation
+    supports. False on CPU devices (Triton interpreter) and whenever the driver cannot be asked.
+    """
+    if device.type != "cuda":
+        return False
+    import ctypes
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    driver.cuMemRetainAllocationHandle.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_void_p]
+    driver.cuMemGetAllocationPropertiesFromHandle.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+    driver.cuMemRelease.argtypes = [ctypes.c_ulonglong]
+    probe = symm_mem.empty(4096, dtype=torch.uint8, device=device)
+    handle = ctypes.c_ulonglong()
+    if driver.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(probe.data_ptr())) != 0:
+        return False
+    try:
+        # CUmemAllocationProp: {int type; int requestedHandleTypes; CUmemLocation location; ...}, 32
+        # bytes on 64-bit systems; 64 leave room.
+        properties = (ctypes.c_ubyte * 64)()
+        if driver.cuMemGetAllocationPropertiesFromHandle(properties, handle) != 0:
+            return False
+        requested = int.from_bytes(bytes(properties[4:8]), "little")
+        return bool(requested & CU_MEM_HANDLE_TYPE_FABRIC)
+    finally:
+        driver.cuMemRelease(handle)
+        del probe
 
 
 def _round_up(value: int, multiple: int) -> int:
