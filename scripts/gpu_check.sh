@@ -48,8 +48,9 @@ else
   tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py)
   bench_args=(--sweep)
 fi
-echo "== GPU tests ($MODE)"
-timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider \
+echo "== GPU tests ($MODE), under DeepEP's torch defaults (cuda device, bf16 dtype)"
+TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

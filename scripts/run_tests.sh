@@ -2,6 +2,7 @@
 # The test job (what CI runs, via .ci/run): lint, then the CPU test suite in two runs:
 #   main         pytest -m "not gpu and not interpreter"   in .venv (current numpy)
 #   interpreter  pytest -m "interpreter and not gpu"       in .venv-interpreter (numpy<2.4)
+# and both again with torch's default dtype set to bfloat16, as DeepEP's users do.
 # (scripts/setup_env.sh says why there are two environments and how they are chosen.)
 #
 # Arguments go to every run's pytest, after its -m (so do not pass -m), e.g.
@@ -54,8 +55,11 @@ n_args=$#
 run_pytest main "$PY" "not gpu and not interpreter" "$@"
 # -rs: where these tests skip (numpy >= 2.4 in an interpreter used as it is), say why.
 run_pytest interpreter "$PY_INTERPRETER" "interpreter and not gpu" -rs "$@"
-# One more run is one more line here, e.g. (with the variable its tests read):
-#   SOME_ENV_VAR=value run_pytest name "$PY" "not gpu and not interpreter" tests/test_x.py "$@"
+# Both once more with the default dtype DeepEP's users set (torch.set_default_dtype(bf16)):
+# nothing in tritonep may depend on it (tests/torch_defaults.py).
+TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 run_pytest "main (bf16 default dtype)" "$PY" "not gpu and not interpreter" "$@"
+TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 run_pytest "interpreter (bf16 default dtype)" "$PY_INTERPRETER" \
+    "interpreter and not gpu" -rs "$@"
 
 if [ "$runs_empty" -eq "$runs" ]; then
     echo "run_tests.sh: no run selected any test; failing" >&2
