@@ -334,6 +334,11 @@ def check_received(got, expected: Expected, me: int) -> None:
     assert rank_prefix_matrix.dtype == torch.int32
     assert torch.equal(rank_prefix_matrix.cpu(), expected.rank_prefix_matrix)
     assert rank_prefix_matrix[-1, me].item() == expected.x.size(0)
+    # Placed like DeepEP's intranode handle: [3] recv_src_idx, [4] is_token_in_rank (6 elements).
+    assert len(handle) == 6
+    recv_src_idx = torch.cat([tokens for _, tokens in expected.parts])
+    assert torch.equal(handle[3].cpu().long(), recv_src_idx)
+    assert handle[4].dtype == torch.bool and handle[4].shape[1] == rank_prefix_matrix.shape[0]
     assert isinstance(num_recv_tokens_per_expert_list, list)
     assert num_recv_tokens_per_expert_list == expected.per_expert
 

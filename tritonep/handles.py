@@ -1,7 +1,8 @@
 """Handles returned by dispatch and passed back to combine (or to a cached dispatch).
 
-Users treat them as opaque, except that element 0 of a normal-mode handle is the
-``rank_prefix_matrix`` and a low-latency handle unpacks as
+Users treat them as opaque, except that a normal-mode handle is placed like DeepEP's
+intranode 6-tuple (element 0 ``rank_prefix_matrix``, 3 ``recv_src_idx``, 4
+``is_token_in_rank``) and a low-latency handle unpacks as
 ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``,
 both as in DeepEP. Each handle remembers the ``Buffer`` that made it, so that passing it to
 another buffer raises instead of reading the wrong memory.
@@ -9,24 +10,57 @@ another buffer raises instead of reading the wrong memory.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 
-class DispatchHandle(NamedTuple):
-    # [R, R] int32: [i, j] = rows rank j receives from ranks 0..i (cumulative over sources).
-    rank_prefix_matrix: torch.Tensor
-    # [N, R] bool on the sending rank: token t was sent to rank r.
-    is_token_in_rank: torch.Tensor
-    # [rows] int32: index, in its source rank's batch, of each received row (-1 on padding rows).
-    recv_src_idx: torch.Tensor
-    # Rows of recv_x: the received count, or num_worst_tokens when the caller padded.
+class DispatchHandle(tuple):
+    """A 6-tuple placed like DeepEP's intranode handle, ``(rank_prefix_matrix,
+    channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+    send_head)``, so code that indexes or unpacks it finds the same tensors where DeepEP puts them.
+    This transport has no channels and no send heads: those places hold None.
+
+    Attributes (besides the named elements):
+        num_recv_rows: rows of recv_x: the received count, or num_worst_tokens when padded.
+        hidden: the hidden size of the dispatch.
+        buffer_id: the Buffer that made it.
+        backend_state: whatever the transport cached for the cached dispatch and the combine.
+    """
+
     num_recv_rows: int
     hidden: int
     buffer_id: int
-    # Whatever the transport cached for the cached dispatch and the combine (send positions ...).
-    backend_state: Any = None
+    backend_state: Any
+
+    def __new__(
+        cls,
+        rank_prefix_matrix: torch.Tensor,   # [R, R] int32: [i, j] = rows rank j receives from ranks 0..i
+        is_token_in_rank: torch.Tensor,     # [N, R] bool on the sending rank
+        recv_src_idx: torch.Tensor,         # [rows] int32: index in its source's batch (-1 on padding)
+        num_recv_rows: int,
+        hidden: int,
+        buffer_id: int,
+        backend_state: Any = None,
+    ) -> DispatchHandle:
+        handle = super().__new__(cls, (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None))
+        handle.num_recv_rows = num_recv_rows
+        handle.hidden = hidden
+        handle.buffer_id = buffer_id
+        handle.backend_state = backend_state
+        return handle
+
+    @property
+    def rank_prefix_matrix(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def recv_src_idx(self) -> torch.Tensor:
+        return self[3]
+
+    @property
+    def is_token_in_rank(self) -> torch.Tensor:
+        return self[4]
 
 
 class LowLatencyHandle(tuple):
