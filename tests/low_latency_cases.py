@@ -5,6 +5,11 @@ under ``TRITON_INTERPRET=1``), the oracle on a gloo group over CPU copies. Both 
 order an expert's rows by source rank, then token, so dispatch outputs must match bit for
 bit: counts, src_info (-1 past the count), layout_range, e4m3 bytes and scales of the valid
 rows, stats. Combine must match within bf16 rounding (the sums run in another order).
+
+Shrink mode: cases with ``masks`` run on Buffers made with ``enable_shrink=True`` and set each
+round's masks on both backends through the public API. Masks here are symmetric (r masks m
+exactly when m masks r): with an asymmetric mask the NVLink rank that is not masking waits for
+rows that never come (as in DeepEP), while the CPU backend cuts the pair both ways.
 """
 
 from __future__ import annotations
@@ -36,18 +41,38 @@ class LowLatencyCase:
     use_out: bool = False
     routing: str = "random"       # random | skewed | one_expert | none
     calls: int = 1                # back-to-back dispatch+combine rounds (slots alternate)
+    # Shrink mode, per round (rounds past the end: nothing masked), per rank: the ranks it masks
+    # for the dispatch, and (``combine_masks``, None = unchanged) after the dispatch is sent,
+    # before its hook and combine.
+    masks: tuple | None = None
+    combine_masks: tuple = ()
 
 
-def buffers(group: dist.ProcessGroup, rdma_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
+def symmetric_masks(num_ranks: int, dropped: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Every rank masks the ``dropped`` ranks, which mask every other rank."""
+    return tuple(tuple(r for r in range(num_ranks) if r != me) if me in dropped else dropped
+                 for me in range(num_ranks))
+
+
+def buffers(group: dist.ProcessGroup, rdma_bytes: int, shrink: bool = False) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
     """Build (once per pool, again when more memory is needed) the NVLink buffer and a
-    CPU-backend buffer on a gloo group."""
-    if _state.get("rdma_bytes", 0) < rdma_bytes:
-        _state["nvlink"] = make_buffer(group, "nvlink", num_rdma_bytes=rdma_bytes, low_latency_mode=True)
-        _state["rdma_bytes"] = rdma_bytes
+    CPU-backend buffer on a gloo group; with ``shrink``, a separate pair made with enable_shrink."""
+    key = "shrink" if shrink else "plain"
+    if _state.get(f"{key} rdma_bytes", 0) < rdma_bytes:
+        options = dict(num_rdma_bytes=rdma_bytes, low_latency_mode=True, enable_shrink=shrink)
+        _state[f"{key} nvlink"] = make_buffer(group, "nvlink", **options)
+        _state[f"{key} rdma_bytes"] = rdma_bytes
         if "gloo" not in _state:
             _state["gloo"] = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
-        _state["cpu"] = make_buffer(_state["gloo"], "collective", num_rdma_bytes=rdma_bytes, low_latency_mode=True)
-    return _state["nvlink"], _state["cpu"]
+        _state[f"{key} cpu"] = make_buffer(_state["gloo"], "collective", **options)
+    return _state[f"{key} nvlink"], _state[f"{key} cpu"]
+
+
+def set_masks(buffer: deep_ep.Buffer, ranks) -> None:
+    """Mask exactly ``ranks`` on ``buffer`` (public API, queued on the current stream)."""
+    buffer.low_latency_clean_mask_buffer()
+    for rank in ranks:
+        buffer.low_latency_update_mask_buffer(rank, True)
 
 
 def make_inputs(case: LowLatencyCase, rank: int, round_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,11 +111,17 @@ def expert_outputs(packed, use_fp8: bool, rank: int) -> torch.Tensor:
     return (rows * factor.view(-1, 1, 1)).to(torch.bfloat16)
 
 
-def _round(buffer: deep_ep.Buffer, case: LowLatencyCase, inputs, device: torch.device, stats: dict) -> dict:
+def _round(buffer: deep_ep.Buffer, case: LowLatencyCase, inputs, device: torch.device, stats: dict,
+           masks=None, combine_masks=None) -> dict:
     x, topk_idx, weights = (t.to(device) for t in inputs)
+    if masks is not None:
+        set_masks(buffer, masks)
     packed, count, handle, _, hook = buffer.low_latency_dispatch(
         x, topk_idx, case.T, case.num_experts, cumulative_local_expert_recv_stats=stats["recv"],
-        use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, return_recv_hook=case.hook)
+        dispatch_wait_recv_cost_stats=stats.get("dispatch_wait"), use_fp8=case.use_fp8,
+        round_scale=case.round_scale, use_ue8m0=case.use_ue8m0, return_recv_hook=case.hook)
+    if combine_masks is not None:   # after the send: changes the combine, not this dispatch
+        set_masks(buffer, combine_masks)
     if hook is not None:
         hook()
     expert_out = expert_outputs(packed, case.use_fp8, buffer.rank)
@@ -100,7 +131,8 @@ def _round(buffer: deep_ep.Buffer, case: LowLatencyCase, inputs, device: torch.d
         source.copy_(expert_out)
     out = torch.full((x.shape[0], case.hidden), 3.0, dtype=torch.bfloat16, device=device) if case.use_out else None
     combined, _, hook = buffer.low_latency_combine(source, topk_idx, weights, handle, zero_copy=case.zero_copy,
-                                                   return_recv_hook=case.hook, out=out)
+                                                   return_recv_hook=case.hook, out=out,
+                                                   combine_wait_recv_cost_stats=stats.get("combine_wait"))
     if hook is not None:
         hook()
     if out is not None:
@@ -131,22 +163,70 @@ def _differences(name: str, got, expected) -> list[str]:
     return [f"{name}: differs ({(got.float() != expected.float()).sum().item()} elements)"]
 
 
-def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase) -> list[str]:
-    """Mismatches on this rank (empty when the NVLink and CPU backends agree)."""
+def _round_masks(case: LowLatencyCase, rank: int, round_index: int) -> tuple:
+    """(dispatch masks, combine masks or None) of this rank in this round; (None, None) without shrink."""
+    if case.masks is None:
+        return None, None
+    masks = case.masks[round_index][rank] if round_index < len(case.masks) else ()
+    combine = case.combine_masks[round_index] if round_index < len(case.combine_masks) else None
+    return masks, (combine[rank] if combine is not None else None)
+
+
+def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase, skip_rank: int | None = None) -> list[str]:
+    """Mismatches on this rank (empty when the NVLink and CPU backends agree).
+
+    ``skip_rank`` (shrink mode): that rank makes no NVLink call at all, as if it had died; the
+    others must mask it. It still takes part in the CPU oracle, whose collectives need it.
+    """
+    rank = group.rank()
     rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(), case.num_experts)
-    nvlink, cpu = buffers(group, rdma_bytes)
+    nvlink, cpu = buffers(group, rdma_bytes, shrink=case.masks is not None)
     experts_local = case.num_experts // group.size()
-    stats = {"nvlink": {"recv": torch.zeros(experts_local, dtype=torch.int32, device=nvlink.device)},
-             "cpu": {"recv": torch.zeros(experts_local, dtype=torch.int32, device="cpu")}}
     problems: list[str] = []
+    stats = {}
+    for name, device in (("nvlink", nvlink.device), ("cpu", torch.device("cpu"))):
+        stats[name] = {"recv": torch.zeros(experts_local, dtype=torch.int32, device=device)}
     for round_index in range(case.calls):
-        inputs = make_inputs(case, group.rank(), round_index)
-        got = _round(nvlink, case, inputs, nvlink.device, stats["nvlink"])
-        expected = _round(cpu, case, inputs, torch.device("cpu"), stats["cpu"])
+        inputs = make_inputs(case, rank, round_index)
+        masks, combine_masks = _round_masks(case, rank, round_index)
+        if masks is not None:   # fresh wait stats per round: the ranks skipped must get nothing
+            for name, device in (("nvlink", nvlink.device), ("cpu", torch.device("cpu"))):
+                stats[name]["dispatch_wait"] = torch.zeros(group.size(), dtype=torch.int64, device=device)
+                stats[name]["combine_wait"] = torch.zeros(group.size(), dtype=torch.int64, device=device)
+        got = None if rank == skip_rank else _round(nvlink, case, inputs, nvlink.device, stats["nvlink"], masks,
+                                                    combine_masks)
+        expected = _round(cpu, case, inputs, torch.device("cpu"), stats["cpu"], masks, combine_masks)
+        if got is None:
+            continue
         for key in expected:
             problems += [f"call {round_index}: {m}" for m in _differences(key, got[key], expected[key])]
-    problems += _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"])
+        if masks is not None:
+            skipped = set(masks)
+            for name in ("nvlink", "cpu"):
+                waits = stats[name]["dispatch_wait"].cpu().tolist()
+                problems += [f"call {round_index}: {name} dispatch waited {waits[r]} ns for masked rank {r}"
+                             for r in skipped if waits[r]]
+                waits = stats[name]["combine_wait"].cpu().tolist()
+                problems += [f"call {round_index}: {name} combine waited {waits[r]} ns for masked rank {r}"
+                             for r in skipped | set(combine_masks or ()) if waits[r]]
+    if rank != skip_rank:
+        problems += _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"])
     return problems
+
+
+def rejoin_after_clean(group: dist.ProcessGroup, case: LowLatencyCase) -> list[str]:
+    """After ``compare_low_latency(..., skip_rank=...)``: every rank unmasks everyone and calls
+    clean_low_latency_buffer (which resets the call counters the idle rank missed), then one
+    unmasked round on all ranks must match the CPU backend again."""
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(), case.num_experts)
+    nvlink, _ = buffers(group, rdma_bytes, shrink=True)
+    nvlink.low_latency_clean_mask_buffer()
+    status = torch.ones(group.size(), dtype=torch.int32, device=nvlink.device)
+    nvlink.low_latency_query_mask_buffer(status)
+    problems = [f"mask after clean: {status.tolist()}"] if status.cpu().tolist() != [0] * group.size() else []
+    nvlink.clean_low_latency_buffer(case.T, case.hidden, case.num_experts)
+    rejoined = LowLatencyCase(**{**case.__dict__, "masks": (), "calls": 2})
+    return problems + compare_low_latency(group, rejoined)
 
 
 def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[str]:
@@ -186,6 +266,56 @@ def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[
         expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, True, cpu.rank), topk_idx, weights, handle)
         problems += _differences(f"replay {replay} count", count.cpu(), expected_count)
         problems += _differences(f"replay {replay} combined", combined.cpu(), expected)
+    return problems
+
+
+def masked_graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[str]:
+    """Shrink mode in a CUDA graph: the capture sets this rank's masks (the last rank dropped;
+    a single rank masks itself), dispatches, combines and clears the masks; each replay is
+    compared with the CPU backend with the same masks."""
+    size = group.size()
+    case = LowLatencyCase(seed=seed, tokens=tuple(32 for _ in range(size)), T=32, hidden=1024,
+                          num_experts=8 * size, num_topk=4, masks=())
+    masks = symmetric_masks(size, (size - 1,))[group.rank()] if size > 1 else (0,)
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, size, case.num_experts)
+    nvlink, cpu = buffers(group, rdma_bytes, shrink=True)
+    device = nvlink.device
+    static = [t.to(device) for t in make_inputs(case, group.rank(), 0)]
+
+    def step():
+        set_masks(nvlink, masks)
+        packed, count, handle, _, _ = nvlink.low_latency_dispatch(static[0], static[1], case.T, case.num_experts)
+        combined, _, _ = nvlink.low_latency_combine(expert_outputs(packed, True, nvlink.rank), static[1], static[2],
+                                                    handle)
+        nvlink.low_latency_clean_mask_buffer()
+        return count, combined
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()                                  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        count, combined = step()
+    problems = []
+    set_masks(cpu, masks)
+    for replay in range(1, replays + 1):
+        inputs = make_inputs(case, group.rank(), replay)
+        for target, value in zip(static, inputs):
+            target.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        x, topk_idx, weights = inputs
+        packed, expected_count, handle, _, _ = cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts)
+        expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, True, cpu.rank), topk_idx, weights, handle)
+        problems += _differences(f"replay {replay} count", count.cpu(), expected_count)
+        problems += _differences(f"replay {replay} combined", combined.cpu(), expected)
+    status = torch.ones(size, dtype=torch.int32, device=device)
+    nvlink.low_latency_query_mask_buffer(status)
+    if status.cpu().tolist() != [0] * size:
+        problems.append(f"masks after the graph: {status.tolist()}")
+    cpu.low_latency_clean_mask_buffer()
     return problems
 
 

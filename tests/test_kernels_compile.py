@@ -18,6 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from tritonep.backends.nvlink.combine_kernel import combine_kernel  # noqa: E402
 from tritonep.backends.nvlink.dispatch_kernel import dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.layout_kernel import dispatch_layout_kernel  # noqa: E402
+from tritonep.backends.nvlink.low_latency_clean_kernel import low_latency_clean_kernel  # noqa: E402
 from tritonep.backends.nvlink.low_latency_combine_kernel import low_latency_combine_kernel  # noqa: E402
 from tritonep.backends.nvlink.low_latency_dispatch_kernel import low_latency_dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.notify_kernel import notify_dispatch_kernel  # noqa: E402
@@ -101,34 +102,55 @@ LOW_LATENCY_MODES = [(True, True), (True, False), (False, True)]
 
 
 @pytest.mark.parametrize("do_send,do_recv", LOW_LATENCY_MODES)
-@pytest.mark.parametrize("use_fp8,use_ue8m0", [(True, False), (True, True), (False, False)])
-def test_low_latency_dispatch_kernel_compiles(do_send: bool, do_recv: bool, use_fp8: bool, use_ue8m0: bool) -> None:
+@pytest.mark.parametrize("use_fp8,use_ue8m0,has_mask", [(True, False, False), (True, True, True),
+                                                        (False, False, False), (True, False, True)])
+def test_low_latency_dispatch_kernel_compiles(do_send: bool, do_recv: bool, use_fp8: bool, use_ue8m0: bool,
+                                              has_mask: bool) -> None:
+    """``has_mask``: shrink mode (the masked variants skip ranks, with 3 ranks padded to 4 lanes)."""
     scales = I32 if use_ue8m0 else F32
+    num_ranks = 3 if has_mask else 2
     kernel = compile_for_hopper(
         low_latency_dispatch_kernel,
         dict(x_ptr=BF16 if use_fp8 else I32, x_row_stride=7168, topk_idx_ptr=I64, num_tokens=128, out_x_ptr=I32,
              out_scales_ptr=scales if use_fp8 else BF16, out_src_info_ptr=I32, out_topk_slot_ptr=I8,
-             out_layout_range_ptr=I64, out_count_ptr=I32, recv_stats_ptr=I32, wait_stats_ptr=I64, peer_base_ptrs=I64,
-             area=1 << 16, slot=1, slot_bytes=1 << 30, rank=1, status_address=1 << 40, timeout_ns=60 * 10**9,
-             num_max_tokens=128, experts_per_rank=144),
-        dict(NUM_RANKS=2, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=use_fp8,
-             ROUND_SCALE=use_ue8m0, USE_UE8M0=use_ue8m0, HAS_RECV_STATS=True, HAS_WAIT_STATS=True, DO_SEND=do_send,
-             DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=2, ROWS=2, BLOCK=2048),
+             out_layout_range_ptr=I64, out_count_ptr=I32, recv_stats_ptr=I32, wait_stats_ptr=I64, mask_ptr=I32,
+             saved_mask_ptr=I32, peer_base_ptrs=I64, area=1 << 16, slot=1, slot_bytes=1 << 30, rank=1,
+             status_address=1 << 40, timeout_ns=60 * 10**9, num_max_tokens=128, experts_per_rank=96),
+        dict(NUM_RANKS=num_ranks, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=use_fp8,
+             ROUND_SCALE=use_ue8m0, USE_UE8M0=use_ue8m0, HAS_RECV_STATS=True, HAS_WAIT_STATS=True,
+             HAS_MASK=has_mask, DO_SEND=do_send, DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=_pow2(num_ranks), ROWS=2,
+             BLOCK=2048),
         num_warps=16)
     if use_fp8 and do_send:
         assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
 
 
 @pytest.mark.parametrize("do_send,do_recv", LOW_LATENCY_MODES)
-def test_low_latency_combine_kernel_compiles(do_send: bool, do_recv: bool) -> None:
+@pytest.mark.parametrize("has_mask,has_wait_stats", [(False, False), (True, True), (False, True)])
+def test_low_latency_combine_kernel_compiles(do_send: bool, do_recv: bool, has_mask: bool,
+                                             has_wait_stats: bool) -> None:
+    num_ranks = 3 if has_mask else 2
     compile_for_hopper(
         low_latency_combine_kernel,
         dict(x_ptr=I32, expert_stride=256 * 3584, row_stride=3584, src_info_ptr=I32, topk_slot_ptr=I8,
              layout_range_ptr=I64, topk_idx_ptr=I64, topk_weights_ptr=F32, num_tokens=128, out_ptr=BF16,
-             out_row_stride=7168, peer_base_ptrs=I64, area=1 << 16, slot=0, combine_offset=1 << 31,
-             slot_bytes=1 << 25, rank=0, status_address=1 << 40, timeout_ns=60 * 10**9, num_max_tokens=128,
-             experts_per_rank=144),
-        dict(NUM_RANKS=2, RANKS_PAD=2, HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8, DO_SEND=do_send, DO_RECV=do_recv,
-             ROWS=2, BLOCK=2048,
+             out_row_stride=7168, wait_stats_ptr=I64, mask_ptr=I32, dispatch_mask_ptr=I32, combine_mask_ptr=I32,
+             peer_base_ptrs=I64, area=1 << 16, slot=0, combine_offset=1 << 31, slot_bytes=1 << 25, rank=0,
+             status_address=1 << 40, timeout_ns=60 * 10**9, num_max_tokens=128, experts_per_rank=96),
+        dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8,
+             HAS_WAIT_STATS=has_wait_stats, HAS_MASK=has_mask, DO_SEND=do_send, DO_RECV=do_recv, ROWS=2, BLOCK=2048,
              REDUCE_BLOCK=2048),
         num_warps=16)
+
+
+@pytest.mark.parametrize("num_ranks,has_mask", [(2, False), (3, True), (8, True)])
+def test_low_latency_clean_kernel_compiles(num_ranks: int, has_mask: bool) -> None:
+    kernel = compile_for_hopper(
+        low_latency_clean_kernel,
+        dict(peer_base_ptrs=I64, mask_ptr=I32, area=1 << 16, rank=1, status_address=1 << 40, timeout_ns=60 * 10**9),
+        dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), HAS_MASK=has_mask, BLOCK=1024))
+    assert "st.relaxed.sys.global.b64" in kernel.asm["ptx"] and "fence.acq_rel.sys" in kernel.asm["ptx"]
+
+
+def _pow2(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())

@@ -15,7 +15,10 @@ from low_latency_cases import (
     LowLatencyCase,
     compare_low_latency,
     graph_replay,
+    masked_graph_replay,
+    rejoin_after_clean,
     stalled_peer_error,
+    symmetric_masks,
 )
 from torch_defaults import pool_options
 
@@ -45,6 +48,59 @@ INTERPRETER_CASES = [
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: f"seed{c.seed}-r{len(c.tokens)}")
 def test_interpreter_matches_cpu_backend(interpreter_pools, case: LowLatencyCase) -> None:
     _check(interpreter_pools(len(case.tokens)), case)
+
+
+# Shrink mode. Masks are symmetric (see low_latency_cases). Per round, per rank: ranks masked.
+NO_MASKS_2, NO_MASKS_3 = ((), ()), ((), (), ())
+INTERPRETER_MASK_CASES = [
+    # Rank 1 dropped in round 3 only; round 5 reuses round 3's slot, so each sender must wait
+    # for the peer's "slot freed" of round 1 (the last use it wrote into), not of round 3.
+    LowLatencyCase(seed=41, tokens=(8, 6), T=8, hidden=256, num_experts=8, num_topk=3, calls=6,
+                   masks=(NO_MASKS_2, NO_MASKS_2, NO_MASKS_2, symmetric_masks(2, (1,)))),
+    # Masks change after the send, before the hook and the combine: the dispatch keeps the
+    # send's masks, the combine skips ranks masked at either time.
+    LowLatencyCase(seed=42, tokens=(7, 8), T=8, hidden=256, num_experts=8, num_topk=4, use_fp8=False, hook=True,
+                   calls=3, masks=(NO_MASKS_2, NO_MASKS_2, symmetric_masks(2, (0,))),
+                   combine_masks=(None, symmetric_masks(2, (0,)), NO_MASKS_2)),
+    LowLatencyCase(seed=43, tokens=(5, 6, 4), T=6, hidden=512, num_experts=6, num_topk=3, round_scale=True,
+                   use_ue8m0=True, calls=4,
+                   masks=(symmetric_masks(3, (2,)), symmetric_masks(3, (0,)), NO_MASKS_3, ((0,), (), ()))),
+    LowLatencyCase(seed=44, tokens=(6, 3, 6), T=6, hidden=256, num_experts=6, num_topk=2, hook=True, zero_copy=True,
+                   use_out=True, calls=2, masks=(symmetric_masks(3, (1,)), NO_MASKS_3),
+                   combine_masks=(symmetric_masks(3, (1, 2)), symmetric_masks(3, (0,)))),
+]
+
+
+@pytest.mark.parametrize("case", INTERPRETER_MASK_CASES, ids=lambda c: f"seed{c.seed}-r{len(c.tokens)}")
+def test_interpreter_masks_match_cpu_backend(interpreter_pools, case: LowLatencyCase) -> None:
+    _check(interpreter_pools(len(case.tokens)), case)
+
+
+def test_interpreter_masked_rank_that_makes_no_calls(interpreter_pools) -> None:
+    """The last rank makes no NVLink calls (as if dead); the others mask it and must neither
+    write to it nor wait for it, in dispatch, combine and clean_low_latency_buffer. Then all
+    unmask and clean together, and a normal round works again."""
+    pool = interpreter_pools(3)
+    case = LowLatencyCase(seed=45, tokens=(6, 5, 6), T=6, hidden=256, num_experts=6, num_topk=3, calls=3,
+                          masks=(symmetric_masks(3, (2,)),) * 3)
+    problems = pool.run(compare_low_latency, case, 2)
+    assert all(not p for p in problems), problems
+    pool.run(clean_without, case, 2)
+    problems = pool.run(rejoin_after_clean, case)
+    assert all(not p for p in problems), problems
+
+
+def clean_without(group, case: LowLatencyCase, idle_rank: int) -> None:
+    """clean_low_latency_buffer on every rank but ``idle_rank``, which the others mask."""
+    from low_latency_cases import buffers
+
+    import tritonep as deep_ep
+
+    if group.rank() != idle_rank:
+        rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(),
+                                                                   case.num_experts)
+        nvlink, _ = buffers(group, rdma_bytes, shrink=True)
+        nvlink.clean_low_latency_buffer(case.T, case.hidden, case.num_experts)
 
 
 def second_pending_send_error(group) -> str:
@@ -136,6 +192,43 @@ def test_gpu_second_pending_send_raises(gpu_pool) -> None:
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay(gpu_pool) -> None:
     problems = gpu_pool.run(graph_replay, 13)
+    assert all(not p for p in problems), problems
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["drop_last", "drop_first_hook", "change_before_combine", "self"])
+def test_gpu_masks(gpu_pool, variant: str) -> None:
+    """Shrink mode on GPUs, against the CPU backend: DeepEP's shapes, several rounds."""
+    R = gpu_pool.num_ranks
+    none = ((),) * R
+    masks = {"drop_last": (none, symmetric_masks(R, (R - 1,)), none, symmetric_masks(R, (R - 1,)), none, none),
+             "drop_first_hook": (symmetric_masks(R, (0,)), none, none),
+             "change_before_combine": (none, symmetric_masks(R, (R - 1,)), none),
+             "self": (((0,),) + ((),) * (R - 1), none)}[variant]
+    combine_masks = (symmetric_masks(R, (R - 1,)), none, symmetric_masks(R, (0,))) \
+        if variant == "change_before_combine" else ()
+    _check(gpu_pool, LowLatencyCase(seed=60, tokens=_tokens(gpu_pool, 128, 100), T=128, hidden=7168,
+                                    num_experts=288 if 288 % R == 0 else 32 * R, num_topk=8,
+                                    hook=variant in ("drop_first_hook", "change_before_combine"),
+                                    calls=len(masks), masks=masks, combine_masks=combine_masks))
+
+
+@pytest.mark.gpu
+def test_gpu_masked_rank_that_makes_no_calls(gpu_pool) -> None:
+    R = gpu_pool.num_ranks
+    case = LowLatencyCase(seed=61, tokens=_tokens(gpu_pool, 64, 64), T=64, hidden=4096, num_experts=16 * R,
+                          num_topk=8, calls=4, masks=(symmetric_masks(R, (R - 1,)),) * 4)
+    problems = gpu_pool.run(compare_low_latency, case, R - 1)
+    assert all(not p for p in problems), problems
+    gpu_pool.run(clean_without, case, R - 1)
+    problems = gpu_pool.run(rejoin_after_clean, case)
+    assert all(not p for p in problems), problems
+
+
+@pytest.mark.gpu
+def test_gpu_masked_cuda_graph_replay(gpu_pool) -> None:
+    """Mask updates, dispatch and combine captured in one CUDA graph and replayed."""
+    problems = gpu_pool.run(masked_graph_replay, 17)
     assert all(not p for p in problems), problems
 
 

@@ -82,8 +82,8 @@ class Buffer:
             the GPU supports them; where it does not (or under the Triton interpreter) True raises
             InputError. The collective backend shares no memory, so it ignores the flag.
         explicitly_destroy: if True, memory is released only by ``destroy()``.
-        enable_shrink: shrink mode (masking ranks in low-latency mode); stored as
-            ``self.enable_shrink``.
+        enable_shrink: shrink mode: allocate a per-rank mask so that low-latency calls can skip
+            ranks (``low_latency_update_mask_buffer``).
         comm: an ``mpi4py`` communicator, used when ``group`` is None: the Buffer then makes a
             torch process group over the same processes in the same rank order
             (:func:`tritonep.groups.group_from_comm`; needs mpi4py). Ignored when ``group`` is given.
@@ -143,6 +143,8 @@ class Buffer:
         self.buffer_id = next(_buffer_ids)
         self.backend: Backend = _make_backend(self, kind)
         self.device = self.backend.device
+        if enable_shrink:
+            self.backend.rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._destroyed = False
 
     # ------------------------------------------------------------------ static helpers
@@ -434,7 +436,9 @@ class Buffer:
         Returns:
             packed_recv_x: [E/R, R*T, H] e4m3 with scales [E/R, R*T, H/128] float32 (or
                 [E/R, R*T, H/512] int32 with ue8m0), column-major in the last two dims; or bf16.
-            packed_recv_count: [E/R] int32 valid rows per local expert.
+            packed_recv_count: [E/R] int32 valid rows per local expert. In shrink mode, ranks this
+                rank masks get no rows from it and none of theirs are received (their
+                layout_range entries are empty).
             handle: (src_info, layout_range, T, H, E).
             event: the event to wait on when ``async_finish``.
             hook: the receive hook when ``return_recv_hook``, else None.
@@ -463,6 +467,7 @@ class Buffer:
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
         """Send expert outputs back and sum them, weighted, per token.
 
@@ -475,9 +480,12 @@ class Buffer:
             zero_copy: x was written into ``get_next_low_latency_combine_buffer(handle)``.
             async_finish, return_recv_hook: as in low_latency_dispatch.
             out: optional bf16 [N, H] to write the result into.
+            combine_wait_recv_cost_stats: optional int64 [R], incremented by nanoseconds spent
+                waiting for each rank's expert outputs.
 
         Returns:
             combined_x: bf16 [N, H], out[t] = sum_k topk_weights[t, k] * y_{topk_idx[t, k]}(t).
+                In shrink mode, experts on ranks masked now or at the handle's dispatch count as 0.
             event, hook: as in low_latency_dispatch.
         """
         self._check_alive()
@@ -498,15 +506,19 @@ class Buffer:
         if out is not None:
             checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden),
                                 device=self.device)
+        wait_stats = combine_wait_recv_cost_stats
+        if wait_stats is not None:
+            checks.check_tensor("combine_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(R,),
+                                device=self.device)
         stream = self.backend.low_latency_stream(async_finish)
         if stream is None:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
-                                                              return_recv_hook, out)
+                                                              return_recv_hook, out, wait_stats)
             return combined, EventOverlap(None), hook
         inputs = (x, topk_idx, topk_weights)
         with on_comm_stream(stream, None, async_finish, inputs) as scope:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
-                                                              return_recv_hook, out)
+                                                              return_recv_hook, out, wait_stats)
             scope.keep(combined)
         return combined, scope.event, hook
 
@@ -518,15 +530,68 @@ class Buffer:
         return self.backend.get_next_low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Reset the low-latency area after its memory was used by normal mode. Collective."""
+        """Reset the low-latency area after its memory was used by normal mode. Collective over
+        the ranks this rank does not mask (shrink mode)."""
         self._check_alive()
         require(self.low_latency_mode, "clean_low_latency_buffer needs low_latency_mode=True")
         self._check_low_latency_size(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    # ------------------------------------------------------------------ shrink mode (rank masks)
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask or unmask one rank for this rank's low-latency calls (shrink mode).
+
+        A rank this rank masks is neither sent to nor waited for by low_latency_dispatch,
+        low_latency_combine and clean_low_latency_buffer: its experts get none of this rank's
+        tokens, its rows are not received, and its experts' outputs count as zero in the
+        combine. A combine skips the ranks masked when it runs and those masked at its handle's
+        dispatch. Masks are local: each rank decides whom it masks (mask a rank on every rank that
+        still talks to it, or that rank waits for this one and times out). The update is
+        queued on the current stream (no host synchronisation; CUDA-graph capturable).
+
+        Arguments:
+            rank_to_mask: the rank in [0, R) to mask or unmask.
+            mask: True to mask the rank, False to unmask it.
+        """
+        self._check_shrink("low_latency_update_mask_buffer")
+        rank_mask = self.backend.rank_mask
+        assert rank_mask is not None
+        require(isinstance(rank_to_mask, int) and not isinstance(rank_to_mask, bool)
+                and 0 <= rank_to_mask < self.group_size,
+                f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
+        require(isinstance(mask, int), f"mask must be a bool, got {type(mask).__name__}")
+        rank_mask[rank_to_mask] = 1 if mask else 0
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copy this rank's masks into ``mask_status`` (shrink mode), in stream order.
+
+        Arguments:
+            mask_status: int32 [R] on this Buffer's device; entry r becomes 1 if this rank
+                masks rank r, else 0.
+        """
+        self._check_shrink("low_latency_query_mask_buffer")
+        rank_mask = self.backend.rank_mask
+        assert rank_mask is not None
+        checks.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,),
+                            device=self.device, contiguous=False)
+        mask_status.copy_(rank_mask)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank (shrink mode), in stream order."""
+        self._check_shrink("low_latency_clean_mask_buffer")
+        rank_mask = self.backend.rank_mask
+        assert rank_mask is not None
+        rank_mask.zero_()
+
     # ------------------------------------------------------------------ internals
     def _check_alive(self) -> None:
         require(not self._destroyed, "this Buffer was destroyed")
+
+    def _check_shrink(self, method: str) -> None:
+        self._check_alive()
+        require(self.low_latency_mode and self.enable_shrink,
+                f"{method} needs a Buffer made with low_latency_mode=True and enable_shrink=True (shrink mode), "
+                f"this one has low_latency_mode={self.low_latency_mode}, enable_shrink={self.enable_shrink}")
 
     def _check_handle(self, handle: object, kind: type = DispatchHandle) -> None:
         """``kind``: DispatchHandle for dispatch/combine, LowLatencyHandle for the low-latency calls."""

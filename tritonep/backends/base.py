@@ -75,6 +75,11 @@ class Backend(abc.ABC):
         self.rank = group.rank()
         self.num_ranks = group.size()
         self.buffer_id = buffer_id
+        # Shrink mode (``Buffer(enable_shrink=True)``): int32 [R] on ``device``, 1 where this rank
+        # masks that rank, i.e. skips it in low_latency_dispatch, low_latency_combine and
+        # clean_low_latency_buffer. The front end allocates it once and writes it in stream order;
+        # backends only read it. None without shrink mode (nothing is masked).
+        self.rank_mask: torch.Tensor | None = None
 
     # ---- properties the front end needs -------------------------------------------------
     @property
@@ -128,8 +133,9 @@ class Backend(abc.ABC):
         zero_copy: bool,
         return_recv_hook: bool,
         out: torch.Tensor | None,
+        wait_stats: torch.Tensor | None,
     ) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        ...
+        """``wait_stats``: optional int64 [R], ``combine_wait_recv_cost_stats``."""
 
     @abc.abstractmethod
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -138,7 +144,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        ...
+        """Collective over the ranks that ``rank_mask`` does not mask."""
 
     # ---- raw memory ----------------------------------------------------------------------
     @abc.abstractmethod

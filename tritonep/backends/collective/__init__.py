@@ -89,17 +89,19 @@ class CollectiveBackend(Backend):
 
     # ---- low-latency mode ----------------------------------------------------------------
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        return low_latency.dispatch(self.group, self.buffer_id, request)
+        return low_latency.dispatch(self.group, self.buffer_id, request, self.rank_mask)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
-                            out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+                            out: torch.Tensor | None,
+                            wait_stats: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """With ``zero_copy`` the rows are read from the current combine buffer (where the caller
         wrote them via ``get_next_low_latency_combine_buffer``); every combine then flips to the
         other buffer, so two combines in flight never share memory."""
         source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
         self._combine_buffer_index ^= 1
-        return low_latency.combine(self.group, source, topk_idx, topk_weights, handle, return_recv_hook, out)
+        return low_latency.combine(self.group, source, topk_idx, topk_weights, handle, return_recv_hook, out,
+                                   wait_stats, self.rank_mask)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         _, _, T, hidden, num_experts = handle
@@ -109,5 +111,6 @@ class CollectiveBackend(Backend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        """Zero the low-latency area. No communication: nothing here reads peers' memory."""
+        """Zero the low-latency area. No communication (so no rank, masked or not, is waited
+        for): nothing here reads peers' memory."""
         self._area(True).zero_()

@@ -337,18 +337,20 @@ class NvlinkBackend(Backend):
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        return self.low_latency.dispatch(request)
+        return self.low_latency.dispatch(request, self.rank_mask)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
-                            out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out)
+                            out: torch.Tensor | None,
+                            wait_stats: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out,
+                                        wait_stats, self.rank_mask)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self.low_latency.get_next_low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        self.low_latency.clean()
+        self.low_latency.clean(self.rank_mask)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None, offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:

@@ -7,6 +7,11 @@ waits for the GPU, so calls can be captured in a CUDA graph and replayed: the ca
 live on the GPU. The kernels' memory (control words, receive slots, zero-copy buffers) is
 one symmetric allocation of ``num_rdma_bytes``, laid out by ``low_latency_layout``.
 
+Shrink mode: the backend's ``rank_mask`` (int32 [R] on the GPU, None without shrink mode) is
+passed to both kernels, which skip masked ranks; each dispatch keeps the mask it used in its
+handle (``LowLatencyState.dispatch_mask``) for its receive hook and its combine. The kernels'
+docstrings say what they skip. ``clean`` is a kernel whose barriers skip masked ranks.
+
 Calls of a kind alternate between two slots of receive memory (double buffering). Rules,
 each raising InputError instead of hanging or corrupting: at most one send per kind may
 await its hook for now (``CallOrder.start``: two pending combines gave a wrong first result
@@ -27,6 +32,7 @@ from ...checks import InputError
 from ...handles import LowLatencyHandle
 from ..base import LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .launcher import FastLauncher
+from .low_latency_clean_kernel import low_latency_clean_kernel
 from .low_latency_combine_kernel import low_latency_combine_kernel
 from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
 from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
@@ -42,6 +48,7 @@ class LowLatencyState:
     """What a handle carries for its combine, besides (src_info, layout_range, T, H, E)."""
 
     topk_slot: torch.Tensor    # int8 [E/R, R*T]: which top-k entry of its token each row is
+    dispatch_mask: torch.Tensor  # int32 [R]: the ranks the dispatch skipped (shrink mode; else unused)
     received: bool = False
 
 
@@ -108,6 +115,9 @@ class LowLatencyEngine:
         self.dispatch_order = CallOrder("low_latency_dispatch")
         self.combine_order = CallOrder("low_latency_combine")
         self.combine_buffer_index = 0
+        # Shrink mode: the ranks each combine slot's call skips, saved by its send half for its
+        # receive half.
+        self.combine_masks = torch.zeros(2, self.num_ranks, dtype=torch.int32, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier(group=group)
@@ -177,7 +187,8 @@ class LowLatencyEngine:
                    torch.empty(experts_local, dtype=torch.int32, device=device),          # packed_count
                    torch.empty(experts_local, slots, dtype=torch.int32, device=device),   # src_info
                    torch.empty(experts_local, R, dtype=torch.int64, device=device),       # layout_range
-                   torch.empty(experts_local, slots, dtype=torch.int8, device=device))    # topk_slot
+                   torch.empty(experts_local, slots, dtype=torch.int8, device=device),    # topk_slot
+                   torch.zeros(R, dtype=torch.int32, device=device))                      # dispatch mask
         constants = dict(
             NUM_RANKS=R, HIDDEN=hidden, HIDDEN_PAD=_pow2(max(hidden, 128)), NUM_TOPK=num_topk,
             PAIRS_PAD=_pow2(max(T * num_topk, 16)), USE_FP8=request.use_fp8, ROUND_SCALE=request.round_scale,
@@ -186,7 +197,9 @@ class LowLatencyEngine:
         self._dispatch_plans[key] = (constants, regions, outputs)
         return self._dispatch_plans[key]
 
-    def dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+    def dispatch(self, request: LowLatencyDispatchRequest,
+                 rank_mask: torch.Tensor | None = None) -> LowLatencyDispatchResult:
+        """``rank_mask``: shrink mode's int32 [R] (1 = skip that rank), or None."""
         self.check_status()
         x, topk_idx = request.x, request.topk_idx
         if not topk_idx.is_contiguous():
@@ -204,16 +217,18 @@ class LowLatencyEngine:
         wait_stats = request.dispatch_wait_recv_cost_stats
         constants, regions, outputs = self._dispatch_outputs(request, hidden, topk_idx.shape[1],
                                                              self.dispatch_order.next_slot)
-        packed, packed_words, scales_storage, packed_count, src_info, layout_range, topk_slot = outputs
+        packed, packed_words, scales_storage, packed_count, src_info, layout_range, topk_slot, dispatch_mask = outputs
         call, slot = self.dispatch_order.start(request.return_recv_hook)
-        state = LowLatencyState(topk_slot)
+        state = LowLatencyState(topk_slot, dispatch_mask)
         args = (x_arg, x_row_stride, topk_idx, num_tokens, packed_words, scales_storage,
                 src_info, topk_slot, layout_range, packed_count,
                 recv_stats if recv_stats is not None else packed_count,
                 wait_stats if wait_stats is not None else layout_range,
+                rank_mask if rank_mask is not None else dispatch_mask, dispatch_mask,
                 self.memory.peer_base_ptrs, self.area, slot, regions.dispatch_slot_bytes, self.rank,
                 self.status_address, self.timeout_ns, T, num_experts // self.num_ranks)
-        constants = {**constants, "HAS_RECV_STATS": recv_stats is not None, "HAS_WAIT_STATS": wait_stats is not None}
+        constants = {**constants, "HAS_RECV_STATS": recv_stats is not None, "HAS_WAIT_STATS": wait_stats is not None,
+                     "HAS_MASK": rank_mask is not None}
         receive = self._launch(_DISPATCH, args, constants, request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, T, hidden, num_experts, self.buffer_id, state)
         if receive is None:
@@ -230,8 +245,10 @@ class LowLatencyEngine:
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                zero_copy: bool, return_recv_hook: bool,
-                out: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+                zero_copy: bool, return_recv_hook: bool, out: torch.Tensor | None,
+                wait_stats: torch.Tensor | None = None,
+                rank_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """``wait_stats``: combine_wait_recv_cost_stats or None; ``rank_mask`` as in dispatch."""
         self.check_status()
         state: LowLatencyState = handle.backend_state
         if not state.received:
@@ -249,13 +266,17 @@ class LowLatencyEngine:
             out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self.device)
         target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
         call, slot = self.combine_order.start(return_recv_hook)
+        combine_mask = self.combine_masks[slot]
         args = (source.view(torch.int32), source.stride(0) // 2, source.stride(1) // 2, src_info,
                 state.topk_slot, layout_range, topk_idx, topk_weights, num_tokens, target, target.stride(0),
+                wait_stats if wait_stats is not None else layout_range,
+                rank_mask if rank_mask is not None else combine_mask, state.dispatch_mask, combine_mask,
                 self.memory.peer_base_ptrs, self.area, slot, regions.combine_offset, regions.combine_slot_bytes,
                 self.rank, self.status_address, self.timeout_ns, T, num_experts // self.num_ranks)
         constants = dict(NUM_RANKS=self.num_ranks, RANKS_PAD=_pow2(self.num_ranks), HIDDEN=hidden, NUM_TOPK=num_topk,
-                         TOPK_PAD=_pow2(num_topk),
-                         ROWS=self.rows, BLOCK=2048, REDUCE_BLOCK=min(_pow2(hidden), 2048))
+                         TOPK_PAD=_pow2(num_topk), HAS_WAIT_STATS=wait_stats is not None,
+                         HAS_MASK=rank_mask is not None, ROWS=self.rows, BLOCK=2048,
+                         REDUCE_BLOCK=min(_pow2(hidden), 2048))
         receive = self._launch(_COMBINE, args, constants, return_recv_hook)
 
         def copy_back() -> None:
@@ -285,17 +306,24 @@ class LowLatencyEngine:
     def local_bytes(self) -> torch.Tensor:
         return self.memory.local[self.area:]
 
-    def clean(self) -> None:
-        """Zero the control words on every rank (collective): call counters restart at 0."""
+    def clean(self, rank_mask: torch.Tensor | None = None) -> None:
+        """Zero the control words on every rank not masked (collective over those ranks): call
+        counters and the slot choice restart at 0. A kernel with two barriers over symmetric memory
+        (``low_latency_clean_kernel``), which skip the ranks in ``rank_mask``."""
+        self.check_status()
         if self.dispatch_order.pending or self.combine_order.pending:
             raise InputError("clean_low_latency_buffer: receive hooks of earlier calls are still pending")
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-        self.memory.local[self.area: self.area + CONTROL_BYTES].zero_()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+            torch.cuda.synchronize(self.device)   # this rank's earlier calls, on any stream, are done
+        low_latency_clean_kernel[(1,)](
+            self.memory.peer_base_ptrs, rank_mask if rank_mask is not None else self.combine_masks, self.area,
+            self.rank, self.status_address, self.timeout_ns, NUM_RANKS=self.num_ranks,
+            RANKS_PAD=_pow2(self.num_ranks), HAS_MASK=rank_mask is not None, BLOCK=1024, GPU=GPU_KERNELS,
+            num_warps=4)
+        # Slots restart too, so ranks that made different numbers of calls before (one that was
+        # masked and idle, say) agree on them again.
+        self.dispatch_order = CallOrder("low_latency_dispatch")
+        self.combine_order = CallOrder("low_latency_combine")
 
     def release(self) -> None:
         self.memory.release()

@@ -11,6 +11,17 @@ Receive (``DO_RECV``): program p takes (token, column block) items p, p+P, ... I
 the flags of the token's experts (all at once), loads their K rows at once and writes
 ``sum_k weight[t, k] * row_k`` (float32 accumulation, bf16 out). Slots, their use counters on
 the GPU and the wait for the slot's previous use work as in the dispatch kernel.
+
+Shrink mode (``HAS_MASK``): the combine skips a rank that is masked now (``mask_ptr``) or was
+masked at its dispatch (``dispatch_mask_ptr``, saved in the handle). Requiring both keeps a
+mask update between a dispatch and its combine safe: a rank masked since the dispatch is not
+waited for, and a rank unmasked since then, which exchanged no rows with this one, is not
+read from (its slot holds nothing for this call). The send half saves that mask
+(``combine_mask_ptr``) for a receive half launched by the hook. Masked experts count as 0.
+
+``HAS_WAIT_STATS``: the receive first waits for each global expert's flag (program p takes
+experts p, p+P, ...), adding the nanoseconds to the expert's rank in ``wait_stats_ptr``
+(``combine_wait_recv_cost_stats``), as the dispatch does per (expert, source).
 """
 
 from __future__ import annotations
@@ -27,8 +38,14 @@ from .sync import (
     fence_system,
     finish_low_latency_launch,
     load_acquire,
+    load_rank_mask,
+    now_ns,
+    rank_masked,
+    ranks_masked,
+    save_rank_mask,
     store_relaxed,
     wait_all_at_least,
+    wait_at_least,
 )
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 4)
@@ -39,6 +56,7 @@ MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
 MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
 FREED = tl.constexpr(layout.COMBINE_FREED)
 FLAGS = tl.constexpr(layout.COMBINE_FLAGS)
+SENT_USE = tl.constexpr(layout.SENT_USE + 2 * layout.MAX_RANKS)
 MAX_TOPK = tl.constexpr(layout.MAX_TOPK)
 
 
@@ -47,25 +65,36 @@ MAX_TOPK = tl.constexpr(layout.MAX_TOPK)
                                "experts_per_rank", "status_address"])
 def low_latency_combine_kernel(
     x_ptr, expert_stride, row_stride, src_info_ptr, topk_slot_ptr, layout_range_ptr,
-    topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, out_row_stride,
+    topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, out_row_stride, wait_stats_ptr,
+    mask_ptr, dispatch_mask_ptr, combine_mask_ptr,
     peer_base_ptrs, area, slot, combine_offset, slot_bytes, rank, status_address, timeout_ns, num_max_tokens,
     experts_per_rank,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, HIDDEN: tl.constexpr, NUM_TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr,
+    TOPK_PAD: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr,
     DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     REDUCE_BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
     """``x_ptr``: int32 view of the expert outputs [E/R, R*T, H] (strides in int32 words);
-    ``out_ptr``: bf16 [N, H]. ``status_address``: pinned host int64 for timeouts."""
+    ``out_ptr``: bf16 [N, H]. ``status_address``: pinned host int64 for timeouts. Masks
+    (shrink mode): int32 [R] each, this rank's now, its dispatch's, and this combine's (written
+    by the send half)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     status_ptr = status_address.to(tl.pointer_type(tl.int64))
     my_area = tl.load(peer_base_ptrs + rank) + area
     control = my_area.to(tl.pointer_type(tl.int64))
     WORDS: tl.constexpr = HIDDEN // 2
+    ranks = tl.arange(0, RANKS_PAD)
+    # The ranks this combine skips: masked now or at the dispatch (the receive half reuses them).
+    if DO_SEND:
+        masked = load_rank_mask(mask_ptr, ranks, NUM_RANKS, HAS_MASK) \
+            | load_rank_mask(dispatch_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
+        save_rank_mask(combine_mask_ptr, masked, ranks, NUM_RANKS, HAS_MASK)
+    else:
+        masked = load_rank_mask(combine_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
 
     if DO_SEND:
-        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, slot, status_ptr, timeout_ns,
+        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, status_ptr, timeout_ns,
                                       PHASE_LL_COMBINE_SLOT, NUM_RANKS, RANKS_PAD, MAX_RANKS, GPU)
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
         # One item per (local expert, source rank); sources rotated so programs spread over links.
@@ -75,7 +104,7 @@ def low_latency_combine_kernel(
             expert_rows = local_expert * slots_per_expert
             placed = tl.load(layout_range_ptr + local_expert * NUM_RANKS + source)
             begin = (placed >> 32).to(tl.int32)
-            count = (placed & 0xFFFFFFFF).to(tl.int32)
+            count = tl.where(rank_masked(masked, ranks, source), 0, (placed & 0xFFFFFFFF).to(tl.int32))
             peer_area = tl.load(peer_base_ptrs + source) + area
             receive_slot = (peer_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.int32))
             for first in range(0, count, ROWS):
@@ -90,13 +119,22 @@ def low_latency_combine_kernel(
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
             local_expert = item // NUM_RANKS
             source = (rank + 1 + item % NUM_RANKS) % NUM_RANKS
-            flag = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
-                + slot * MAX_EXPERTS + rank * experts_per_rank + local_expert
-            store_relaxed(flag, call, GPU)
+            if not rank_masked(masked, ranks, source):
+                flag = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
+                    + slot * MAX_EXPERTS + rank * experts_per_rank + local_expert
+                store_relaxed(flag, call, GPU)
 
     if DO_RECV:
         call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
         received = (my_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.bfloat16))
+        if HAS_WAIT_STATS:
+            for expert in range(pid, experts_per_rank * NUM_RANKS, num_programs):
+                owner = expert // experts_per_rank
+                if not rank_masked(masked, ranks, owner):
+                    started = now_ns(GPU)
+                    wait_at_least(control + FLAGS + slot * MAX_EXPERTS + expert, call, status_ptr, timeout_ns,
+                                  PHASE_LL_COMBINE_DATA, owner, GPU)
+                    tl.atomic_add(wait_stats_ptr + owner, now_ns(GPU) - started, sem="relaxed")
         column_blocks = tl.cdiv(HIDDEN, REDUCE_BLOCK)
         ks = tl.arange(0, TOPK_PAD)
         for item in range(pid, num_tokens * column_blocks, num_programs):
@@ -104,7 +142,8 @@ def low_latency_combine_kernel(
             columns = (item % column_blocks) * REDUCE_BLOCK + tl.arange(0, REDUCE_BLOCK)
             experts = tl.load(topk_idx_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=-1)
             weights = tl.load(topk_weights_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=0.0)
-            present = experts >= 0
+            # Experts of masked ranks count as absent: not waited for, not added.
+            present = (experts >= 0) & ~ranks_masked(masked, ranks, tl.maximum(experts, 0) // experts_per_rank)
             # The flags of all of the token's experts at once.
             wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0),
                               call + tl.zeros([TOPK_PAD], tl.int64), present, status_ptr, timeout_ns,
@@ -115,5 +154,6 @@ def low_latency_combine_kernel(
             tl.store(out_ptr + token.to(tl.int64) * out_row_stride + columns, total.to(tl.bfloat16),
                      mask=columns < HIDDEN)
 
-    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, SEQUENCE_SENT, SEQUENCE_RECEIVED,
-                              DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, MAX_RANKS, DO_SEND, DO_RECV, GPU)
+    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED,
+                              SENT_USE, DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND,
+                              DO_RECV, GPU)

@@ -16,9 +16,16 @@ backend), writing ``src_info``, ``layout_range``, the count, and the stats.
 Calls alternate between two receive slots (the host picks one per call) and the GPU counts
 the uses of each slot (``SEQUENCE`` words, bumped by the launch's last program), so replaying
 a captured graph keeps counting and hooks may run in any order. A sender starting use n of a
-slot first waits until every destination has finished receiving use n-1 (``DISPATCH_FREED``).
+slot first waits until every destination has finished receiving the last use in which this
+rank wrote into it, use n-1 unless masks skipped it (``DISPATCH_FREED``, ``SENT_USE``).
 With ``return_recv_hook`` the two halves are two launches; otherwise one launch does both
 (all programs are resident, so receivers may wait for senders of the same launch).
+
+Shrink mode (``HAS_MASK``): the send reads this rank's mask (``mask_ptr``) and program 0
+copies it into the handle (``saved_mask_ptr``); the receive uses that copy, so a dispatch
+whose hook runs after a mask update still uses one mask, and so does its combine. Nothing is
+written into a masked rank (no rows, no flags, no "slot freed" word) and nothing is awaited
+from it: its layout_range entries and counts are 0.
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ from .sync import (
     fence_system,
     finish_low_latency_launch,
     load_acquire,
+    load_rank_mask,
     now_ns,
+    rank_masked,
+    save_rank_mask,
     store_relaxed,
     wait_all_at_least,
 )
@@ -49,6 +59,7 @@ MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
 MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
 FREED = tl.constexpr(layout.DISPATCH_FREED)
 FLAGS = tl.constexpr(layout.DISPATCH_FLAGS)
+SENT_USE = tl.constexpr(layout.SENT_USE + 0)
 LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
 CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
 
@@ -112,17 +123,19 @@ def _receive_scales(message_rows, row_ok, out_scales_ptr, out_rows, slots_per_ex
 def low_latency_dispatch_kernel(
     x_ptr, x_row_stride, topk_idx_ptr, num_tokens,
     out_x_ptr, out_scales_ptr, out_src_info_ptr, out_topk_slot_ptr, out_layout_range_ptr, out_count_ptr,
-    recv_stats_ptr, wait_stats_ptr,
+    recv_stats_ptr, wait_stats_ptr, mask_ptr, saved_mask_ptr,
     peer_base_ptrs, area, slot, slot_bytes, rank, status_address, timeout_ns, num_max_tokens, experts_per_rank,
     NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
     PAIRS_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
-    HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, DO_SEND: tl.constexpr, DO_RECV: tl.constexpr,
-    GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
+    HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr, DO_SEND: tl.constexpr,
+    DO_RECV: tl.constexpr, GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
     """``x_ptr`` is bf16 [N, H] for fp8 sends, else its int32 view (``x_row_stride`` in its
     elements). ``out_x_ptr`` is the int32 view of packed_recv_x; ``out_scales_ptr`` its scales
     (column-major per expert, ``SCALE_COLUMNS`` columns). ``status_address``: pinned host int64
-    that a timed-out wait writes (phase, peer) into."""
+    that a timed-out wait writes (phase, peer) into. ``mask_ptr``: this rank's int32 [R] mask
+    (shrink mode); ``saved_mask_ptr``: int32 [R], the mask this dispatch used (in its handle)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     status_ptr = status_address.to(tl.pointer_type(tl.int64))
@@ -137,16 +150,22 @@ def low_latency_dispatch_kernel(
 
     ranks = tl.arange(0, RANKS_PAD)
     real_ranks = tl.minimum(ranks, NUM_RANKS - 1)   # pad lanes point at a real word, masked off
+    # The ranks this dispatch skips: the send reads the mask, the receive what the send saw.
     if DO_SEND:
-        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, slot, status_ptr, timeout_ns,
+        masked = load_rank_mask(mask_ptr, ranks, NUM_RANKS, HAS_MASK)
+        save_rank_mask(saved_mask_ptr, masked, ranks, NUM_RANKS, HAS_MASK)
+    else:
+        masked = load_rank_mask(saved_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
+    if DO_SEND:
+        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, status_ptr, timeout_ns,
                                       PHASE_LL_DISPATCH_SLOT, NUM_RANKS, RANKS_PAD, MAX_RANKS, GPU)
         pairs = tl.arange(0, PAIRS_PAD)
         experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
         for expert in range(pid, num_experts, num_programs):
             routed = experts == expert
-            count = tl.sum(routed.to(tl.int32), axis=0)
-            position = tl.cumsum(routed.to(tl.int32), axis=0) - 1
             destination = expert // experts_per_rank
+            count = tl.where(rank_masked(masked, ranks, destination), 0, tl.sum(routed.to(tl.int32), axis=0))
+            position = tl.cumsum(routed.to(tl.int32), axis=0) - 1
             local_expert = expert - destination * experts_per_rank
             peer_area = tl.load(peer_base_ptrs + destination) + area
             receive_slot = (peer_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
@@ -159,26 +178,30 @@ def low_latency_dispatch_kernel(
             count = tl.sum((experts == expert).to(tl.int32), axis=0)
             destination = expert // experts_per_rank
             local_expert = expert - destination * experts_per_rank
-            flag = (tl.load(peer_base_ptrs + destination) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
-                + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank
-            store_relaxed(flag, (call << 32) | count.to(tl.int64), GPU)
+            if not rank_masked(masked, ranks, destination):
+                flag = (tl.load(peer_base_ptrs + destination) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
+                    + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank
+                store_relaxed(flag, (call << 32) | count.to(tl.int64), GPU)
 
     if DO_RECV:
         call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
         receive_slot = (my_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
-        # One item per (local expert, source): every item waits for the expert's R flags (its
-        # rows start after the lower sources' rows), then copies its own source's rows.
+        # One item per (local expert, source): every item waits for the expert's flags from the
+        # unmasked sources (its rows start after the lower sources' rows), then copies its own
+        # source's rows. Masked sources count as empty.
+        heard = (ranks < NUM_RANKS) & (masked == 0)
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
             local_expert = item // NUM_RANKS
             source = item % NUM_RANKS
             started = now_ns(GPU)
             flags = wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks,
-                                      (call << 32) + tl.zeros([RANKS_PAD], tl.int64), ranks < NUM_RANKS, status_ptr,
+                                      (call << 32) + tl.zeros([RANKS_PAD], tl.int64), heard, status_ptr,
                                       timeout_ns, PHASE_LL_DISPATCH_DATA, ranks, GPU)
             if HAS_WAIT_STATS:
-                tl.atomic_add(wait_stats_ptr + source, now_ns(GPU) - started, sem="relaxed")
-            counts = tl.where(ranks < NUM_RANKS, tl.minimum(flags & LOW_32_BITS, num_max_tokens), 0).to(tl.int32)
+                waited = tl.where(rank_masked(masked, ranks, source), 0, now_ns(GPU) - started)
+                tl.atomic_add(wait_stats_ptr + source, waited, sem="relaxed")
+            counts = tl.where(heard, tl.minimum(flags & LOW_32_BITS, num_max_tokens), 0).to(tl.int32)
             begin = tl.sum(tl.where(ranks < source, counts, 0), axis=0)
             count = tl.sum(tl.where(ranks == source, counts, 0), axis=0)
             total = tl.sum(counts, axis=0)
@@ -211,5 +234,6 @@ def low_latency_dispatch_kernel(
                     tl.store(out_src_info_ptr + out_base + rows, tl.full([BLOCK], -1, tl.int32),
                              mask=rows < slots_per_expert)
 
-    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, SEQUENCE_SENT, SEQUENCE_RECEIVED,
-                              DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, MAX_RANKS, DO_SEND, DO_RECV, GPU)
+    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED,
+                              SENT_USE, DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND,
+                              DO_RECV, GPU)

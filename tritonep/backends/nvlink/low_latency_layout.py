@@ -15,7 +15,8 @@ keeps counting and receive hooks may run in any order:
                      programs of the running launch that finished (``last_program_done``).
   ``DISPATCH_FREED + slot*MAX_RANKS + r`` (and ``COMBINE_FREED``)
                      uses of the slot that rank r finished receiving: r writes them into every
-                     peer. A sender starting use n of a slot waits for n-1 there.
+                     peer it does not mask. A sender starting use n of a slot waits there for
+                     the use in ``SENT_USE`` (n-1 without masks).
   ``DISPATCH_FLAGS + slot*MAX_EXPERTS + e*R + s``
                      ``(use << 32) | rows`` written by source s once its rows for local
                      expert e are in this rank's receive slot. (Slots are MAX_EXPERTS apart so
@@ -24,6 +25,15 @@ keeps counting and receive hooks may run in any order:
   ``COMBINE_FLAGS + slot*MAX_EXPERTS + g``
                      use number written by expert g's rank once its rows for this rank
                      (the source of the tokens) are in this rank's combine slot.
+  ``SENT_USE + 2*MAX_RANKS*kind + slot*MAX_RANKS + r``
+                     the last use of the slot in which this rank wrote into rank r (shrink
+                     mode skips masked ranks, so this can lag the slot's use count). A sender
+                     waits for r's ``FREED`` word to reach it before writing into r again.
+  ``BARRIER + r``, ``BARRIER_SENT + r``
+                     clean_low_latency_buffer's barriers: how many barriers rank r held with
+                     this rank (r writes it here), and how many this rank held with r (masked
+                     ranks are skipped, so the counts are per pair). Cleaning zeroes every word
+                     before ``CLEAN_END`` but not these, so the barrier survives it.
 
 Data regions, two slots each:
   dispatch receive  [E/R, R, T] messages: the row (e4m3 bytes or bf16), then fp8 scales,
@@ -46,7 +56,11 @@ DISPATCH_FREED = 16
 COMBINE_FREED = DISPATCH_FREED + 2 * MAX_RANKS
 DISPATCH_FLAGS = COMBINE_FREED + 2 * MAX_RANKS
 COMBINE_FLAGS = DISPATCH_FLAGS + 2 * MAX_EXPERTS
-CONTROL_BYTES = (COMBINE_FLAGS + 2 * MAX_EXPERTS) * 8 // 4096 * 4096 + 4096
+SENT_USE = COMBINE_FLAGS + 2 * MAX_EXPERTS
+CLEAN_END = SENT_USE + 4 * MAX_RANKS
+BARRIER = CLEAN_END
+BARRIER_SENT = BARRIER + MAX_RANKS
+CONTROL_BYTES = (BARRIER_SENT + MAX_RANKS) * 8 // 4096 * 4096 + 4096
 
 
 def message_words(hidden: int, use_fp8: bool) -> tuple[int, int, int]:

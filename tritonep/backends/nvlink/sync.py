@@ -11,7 +11,11 @@ Every cross-GPU handshake in this backend is one of two moves:
   naming the stalled rank and phase instead of hanging forever.
 
 Counters only grow (they carry the call's epoch), so nothing ever has to be reset between
-calls. ``GPU`` is False under ``TRITON_INTERPRET=1``, where the inline PTX is replaced by the
+calls.
+
+Shrink mode: the low-latency kernels take this rank's mask (int32 [R], 1 = masked) as a
+vector over ranks (``load_rank_mask``) and neither write into nor wait for masked ranks; the
+helpers below take that vector. ``GPU`` is False under ``TRITON_INTERPRET=1``, where the inline PTX is replaced by the
 interpreter's atomics and the timeout counts spins instead of nanoseconds.
 """
 
@@ -36,6 +40,7 @@ PHASE_LL_DISPATCH_SLOT = tl.constexpr(6)  # low-latency sender waiting for the p
 PHASE_LL_DISPATCH_DATA = tl.constexpr(7)
 PHASE_LL_COMBINE_SLOT = tl.constexpr(8)
 PHASE_LL_COMBINE_DATA = tl.constexpr(9)
+PHASE_LL_CLEAN = tl.constexpr(10)
 PHASE_NAMES = {
     1: "count exchange (notify)",
     2: "dispatch: waiting for the peer to release its receive area",
@@ -46,6 +51,7 @@ PHASE_NAMES = {
     7: "low_latency_dispatch: waiting for rows from the peer",
     8: "low_latency_combine: waiting for the peer to finish receiving the call before last",
     9: "low_latency_combine: waiting for rows from the peer",
+    10: "clean_low_latency_buffer: waiting for the peer at the barrier",
 }
 
 
@@ -188,35 +194,100 @@ def store_relaxed(pointer, value, GPU: tl.constexpr):
 
 
 @triton.jit
-def begin_low_latency_send(control, sequence_sent, freed, slot, status_ptr, timeout_ns, phase,
+def load_rank_mask(mask_ptr, ranks, NUM_RANKS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Shrink mode: for each lane of ``ranks``, whether the int32 [R] mask at ``mask_ptr`` masks
+    that rank. All False without a mask (``HAS_MASK`` False, ``mask_ptr`` unused) and on pad lanes."""
+    if HAS_MASK:
+        masked = tl.load(mask_ptr + ranks, mask=ranks < NUM_RANKS, other=0) != 0
+    else:
+        masked = ranks < 0
+    return masked
+
+
+@triton.jit
+def save_rank_mask(out_ptr, masked, ranks, NUM_RANKS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Program 0 stores ``masked`` as int32 [R] at ``out_ptr`` (for a later launch to reuse)."""
+    if HAS_MASK:
+        if tl.program_id(0) == 0:
+            tl.store(out_ptr + ranks, masked.to(tl.int32), mask=ranks < NUM_RANKS)
+
+
+@triton.jit
+def rank_masked(masked, ranks, peer):
+    """``masked`` (a vector over ``ranks``) at one rank ``peer``."""
+    return tl.sum(tl.where(ranks == peer, masked.to(tl.int32), 0), axis=0) > 0
+
+
+@triton.jit
+def ranks_masked(masked, ranks, peers):
+    """``masked`` (a vector over ``ranks``) at each rank of the vector ``peers``."""
+    return tl.sum(tl.where(peers[:, None] == ranks[None, :], masked.to(tl.int32)[None, :], 0), axis=1) > 0
+
+
+@triton.jit
+def begin_low_latency_send(control, sequence_sent, freed, sent_use, slot, masked, status_ptr, timeout_ns, phase,
                            NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, MAX_RANKS: tl.constexpr,
                            GPU: tl.constexpr):
-    """A low-latency send's use number of its slot, after every peer finished receiving the
-    slot's previous use (the peers write ``freed + slot * MAX_RANKS + peer``)."""
+    """A low-latency send's use number of its slot, after every rank it writes into finished
+    receiving the last use of the slot that this rank wrote into it (the peers write
+    ``freed + slot * MAX_RANKS + peer``; ``sent_use + slot * MAX_RANKS + peer`` holds that use,
+    the previous one unless masks skipped the peer). Ranks in ``masked`` are not waited for:
+    this send writes nothing into them."""
     call = load_acquire(control + sequence_sent + slot, GPU) + 1
     ranks = tl.arange(0, RANKS_PAD)
-    wait_all_at_least(control + freed + slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1), call - 1,
-                      ranks < NUM_RANKS, status_ptr, timeout_ns, phase, ranks, GPU)
+    words = slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1)
+    last_written = tl.load(control + sent_use + words)
+    wait_all_at_least(control + freed + words, last_written, (ranks < NUM_RANKS) & (masked == 0), status_ptr,
+                      timeout_ns, phase, ranks, GPU)
     return call
 
 
 @triton.jit
-def finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, sequence_sent, sequence_received,
-                              done_send, done_receive, freed, NUM_RANKS: tl.constexpr, MAX_RANKS: tl.constexpr,
-                              DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, GPU: tl.constexpr):
-    """The last program of a low-latency launch advances the slot's use counters; after a
-    receive it tells every source that this rank's slot may be written by its next use."""
+def finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked, sequence_sent, sequence_received,
+                              sent_use, done_send, done_receive, freed, NUM_RANKS: tl.constexpr,
+                              RANKS_PAD: tl.constexpr, MAX_RANKS: tl.constexpr, DO_SEND: tl.constexpr,
+                              DO_RECV: tl.constexpr, GPU: tl.constexpr):
+    """The last program of a low-latency launch advances the slot's use counters. After a send
+    it records the use as the last one written into each rank not in ``masked``; after a
+    receive it tells every source not in ``masked`` that this rank's slot may be written by its
+    next use."""
     if DO_RECV:
         done_word = control + done_receive
     else:
         done_word = control + done_send
     if last_program_done(done_word):
+        ranks = tl.arange(0, RANKS_PAD)
         if DO_SEND:
-            tl.store(control + sequence_sent + slot, load_acquire(control + sequence_sent + slot, GPU) + 1)
+            sent = load_acquire(control + sequence_sent + slot, GPU) + 1
+            tl.store(control + sequence_sent + slot, sent)
+            tl.store(control + sent_use + slot * MAX_RANKS + ranks, sent + tl.zeros([RANKS_PAD], tl.int64),
+                     mask=(ranks < NUM_RANKS) & (masked == 0))
         if DO_RECV:
             received = load_acquire(control + sequence_received + slot, GPU) + 1
             tl.store(control + sequence_received + slot, received)
             fence_system(GPU)
             for source in range(0, NUM_RANKS):
-                peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
-                store_relaxed(peer_control + freed + slot * MAX_RANKS + rank, received, GPU)
+                if not rank_masked(masked, ranks, source):
+                    peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
+                    store_relaxed(peer_control + freed + slot * MAX_RANKS + rank, received, GPU)
+
+
+@triton.jit
+def barrier_unmasked(control, peer_base_ptrs, area, rank, masked, barrier, barrier_sent, status_ptr, timeout_ns,
+                     phase, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, GPU: tl.constexpr):
+    """One program: return once every rank not in ``masked`` reached its matching barrier, with
+    this program's earlier stores visible to them. Counts are per pair of ranks: this rank's
+    n-th barrier with rank p (``barrier_sent + p``) writes n into p's ``barrier + rank`` and
+    waits for its own ``barrier + p`` to reach n. Masked ranks are skipped and their counts stay
+    put, so a rank that was masked (and idle) for a while is waited for correctly once unmasked."""
+    ranks = tl.arange(0, RANKS_PAD)
+    words = tl.minimum(ranks, NUM_RANKS - 1)
+    linked = (ranks < NUM_RANKS) & (masked == 0)
+    counts = tl.load(control + barrier_sent + words) + 1
+    tl.store(control + barrier_sent + words, counts, mask=linked)
+    fence_system(GPU)
+    for peer in range(0, NUM_RANKS):
+        if not rank_masked(masked, ranks, peer):
+            peer_control = (tl.load(peer_base_ptrs + peer) + area).to(tl.pointer_type(tl.int64))
+            store_relaxed(peer_control + barrier + rank, tl.sum(tl.where(ranks == peer, counts, 0), axis=0), GPU)
+    wait_all_at_least(control + barrier + words, counts, linked, status_ptr, timeout_ns, phase, ranks, GPU)

@@ -1,0 +1,38 @@
+"""clean_low_latency_buffer on NVLink: zero the low-latency control words, between two barriers.
+
+One program. The first barrier makes sure every peer finished its earlier low-latency calls
+(nobody still writes into this rank's control words), the second that nobody starts a new
+call into them before they are zero. The barriers run over this rank's symmetric memory and
+skip the ranks it masks (shrink mode), so a masked rank, dead or alive, is neither written
+to nor waited for; a host-side ``dist.barrier`` would wait for every rank of the group.
+The barrier words lie past ``CLEAN_END`` and survive the cleaning.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import low_latency_layout as layout
+from .sync import PHASE_LL_CLEAN, barrier_unmasked, load_rank_mask
+
+CLEAN_END = tl.constexpr(layout.CLEAN_END)
+BARRIER = tl.constexpr(layout.BARRIER)
+BARRIER_SENT = tl.constexpr(layout.BARRIER_SENT)
+
+
+@triton.jit(do_not_specialize=["area", "rank", "status_address", "timeout_ns"])
+def low_latency_clean_kernel(peer_base_ptrs, mask_ptr, area, rank, status_address, timeout_ns,
+                             NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
+                             BLOCK: tl.constexpr, GPU: tl.constexpr):
+    """``mask_ptr``: this rank's int32 [R] mask (shrink mode; unused without ``HAS_MASK``)."""
+    status_ptr = status_address.to(tl.pointer_type(tl.int64))
+    control = (tl.load(peer_base_ptrs + rank) + area).to(tl.pointer_type(tl.int64))
+    masked = load_rank_mask(mask_ptr, tl.arange(0, RANKS_PAD), NUM_RANKS, HAS_MASK)
+    barrier_unmasked(control, peer_base_ptrs, area, rank, masked, BARRIER, BARRIER_SENT, status_ptr, timeout_ns,
+                     PHASE_LL_CLEAN, NUM_RANKS, RANKS_PAD, GPU)
+    for first in range(0, CLEAN_END, BLOCK):
+        words = first + tl.arange(0, BLOCK)
+        tl.store(control + words, tl.zeros([BLOCK], tl.int64), mask=words < CLEAN_END)
+    barrier_unmasked(control, peer_base_ptrs, area, rank, masked, BARRIER, BARRIER_SENT, status_ptr, timeout_ns,
+                     PHASE_LL_CLEAN, NUM_RANKS, RANKS_PAD, GPU)
