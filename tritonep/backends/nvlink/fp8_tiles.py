@@ -46,25 +46,42 @@ def _e4m3_bits_exact(values):
 
 
 @triton.jit
-def quantize_rows(values, ROWS: tl.constexpr, HIDDEN_PAD: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                  GPU: tl.constexpr):
-    """float32 [ROWS, HIDDEN_PAD] -> (int32 [ROWS, HIDDEN_PAD // 4] packed e4m3 bytes, channel 4i+j
-    in byte j of word i; float32 [ROWS, HIDDEN_PAD // 128] scales). Padding columns must be 0."""
-    GROUPS: tl.constexpr = HIDDEN_PAD // 128
-    grouped = tl.reshape(values, (ROWS, GROUPS, 128))
-    amax = tl.maximum(tl.max(tl.abs(grouped), axis=2), 1e-4)
-    scales = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-    if ROUND_SCALE:
-        # 2**ceil(log2(scale)): bump the exponent unless the mantissa is already zero.
-        scale_bits = scales.to(tl.int32, bitcast=True)
-        scales = ((scale_bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    scaled = tl.math.div_rn(grouped, tl.broadcast_to(scales[:, :, None], (ROWS, GROUPS, 128)))
-    scaled = tl.reshape(scaled, (ROWS, HIDDEN_PAD))
-    if GPU:
-        fp8_bytes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        fp8_bytes = _e4m3_bits_exact(scaled)
-    return pack_bytes(fp8_bytes, ROWS, HIDDEN_PAD), scales
+def cast_rows_to_messages(x_ptr, tokens, x_row_stride, row_ok, messages, HIDDEN: tl.constexpr,
+                          SCALES_AT: tl.constexpr, ROUND_SCALE: tl.constexpr, GROUPS: tl.constexpr,
+                          GPU: tl.constexpr):
+    """Cast bf16 rows ``tokens`` of ``x`` to e4m3 and write them into ``messages`` (int32 [ROWS]
+    pointers, one message each): channel c as byte c of the message, the float32 scale of
+    group g as word ``SCALES_AT + g``. Rows with ``row_ok`` False are skipped.
+
+    The row is walked in chunks of ``GROUPS`` groups of 128 channels, loaded straight into a
+    [ROWS, GROUPS, 128] tile: the amax of a group is a reduction over the last axis, with no
+    reshape (reshapes of whole rows made the compiler shuffle registers through shared memory),
+    and only one chunk of every row is live at a time, so more rows fit in flight."""
+    lanes = tl.arange(0, 128)
+    group_in_chunk = tl.arange(0, GROUPS)
+    sources = x_ptr + tokens.to(tl.int64)[:, None, None] * x_row_stride
+    # Messages start on 16-byte boundaries (whole 4-word units in 4096-aligned slots): saying so
+    # lets the compiler store the bytes in wide vectors.
+    destinations = tl.multiple_of(messages.to(tl.pointer_type(tl.uint8)), 16)[:, None, None]
+    for chunk_start in range(0, HIDDEN, GROUPS * 128):
+        columns = (chunk_start + group_in_chunk[:, None] * 128 + lanes[None, :])[None, :, :]
+        ok = row_ok[:, None, None] & (columns < HIDDEN)
+        values = tl.load(sources + columns, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(values), axis=2), 1e-4)
+        scales = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        if ROUND_SCALE:
+            # 2**ceil(log2(scale)): bump the exponent unless the mantissa is already zero.
+            scale_bits = scales.to(tl.int32, bitcast=True)
+            scales = ((scale_bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        scaled = tl.math.div_rn(values, scales[:, :, None])
+        if GPU:
+            fp8_bytes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            fp8_bytes = _e4m3_bits_exact(scaled).to(tl.uint8)
+        tl.store(destinations + columns, fp8_bytes, mask=ok)
+        groups = chunk_start // 128 + group_in_chunk
+        tl.store(messages[:, None] + SCALES_AT + groups[None, :], scales.to(tl.int32, bitcast=True),
+                 mask=row_ok[:, None] & (groups < HIDDEN // 128)[None, :])
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import low_latency_layout as layout
-from .fp8_tiles import pack_bytes, quantize_rows
+from .fp8_tiles import cast_rows_to_messages, pack_bytes
 from .rows import copy_rows
 from .sync import (
     PHASE_LL_DISPATCH_DATA,
@@ -61,6 +61,7 @@ FREED = tl.constexpr(layout.DISPATCH_FREED)
 FLAGS = tl.constexpr(layout.DISPATCH_FLAGS)
 SENT_USE = tl.constexpr(layout.SENT_USE + 0)
 LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
+CAST_GROUPS = tl.constexpr(8)   # groups of 128 channels an fp8 cast step takes per row (1024 channels)
 CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
 
 
@@ -77,20 +78,16 @@ def _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_bl
         pair = tl.sum(tl.where(match, pairs[None, :], 0), axis=1)
         row_ok = wanted < count
         token = pair // NUM_TOPK
-        message = message_block + wanted.to(tl.int64)[:, None] * MESSAGE_WORDS
-        words = tl.arange(0, HIDDEN_PAD // 4 if USE_FP8 else HIDDEN_PAD // 2)
-        word_mask = row_ok[:, None] & (words < DATA_WORDS)[None, :]
+        # Messages start on 16-byte boundaries (4-word units in 4096-aligned slots): wide stores.
+        message_rows = tl.multiple_of(message_block + wanted.to(tl.int64) * MESSAGE_WORDS, 16)
+        message = message_rows[:, None]
         if USE_FP8:
-            columns = tl.arange(0, HIDDEN_PAD)
-            values = tl.load(x_ptr + token.to(tl.int64)[:, None] * x_row_stride + columns[None, :],
-                             mask=row_ok[:, None] & (columns < HIDDEN)[None, :], other=0.0).to(tl.float32)
-            packed, scales = quantize_rows(values, ROWS, HIDDEN_PAD, ROUND_SCALE, GPU)
-            tl.store(message + words[None, :], packed, mask=word_mask)
-            groups = tl.arange(0, HIDDEN_PAD // 128)
-            tl.store(message + DATA_WORDS + groups[None, :], scales.to(tl.int32, bitcast=True),
-                     mask=row_ok[:, None] & (groups < SCALE_WORDS)[None, :])
+            cast_rows_to_messages(x_ptr, token, x_row_stride, row_ok, message_rows, HIDDEN, DATA_WORDS, ROUND_SCALE,
+                                  CAST_GROUPS, GPU)
         else:
             # bf16 rows travel as they are: here ``x_ptr`` is an int32 view, two channels a word.
+            words = tl.arange(0, HIDDEN_PAD // 2)
+            word_mask = row_ok[:, None] & (words < DATA_WORDS)[None, :]
             values = tl.load(x_ptr + token.to(tl.int64)[:, None] * x_row_stride + words[None, :], mask=word_mask)
             tl.store(message + words[None, :], values, mask=word_mask)
         header = message + DATA_WORDS + SCALE_WORDS
@@ -118,7 +115,8 @@ def _receive_scales(message_rows, row_ok, out_scales_ptr, out_rows, slots_per_ex
                  bits.to(tl.float32, bitcast=True), mask=row_ok[:, None] & (groups < SCALE_WORDS)[None, :])
 
 
-@triton.jit(do_not_specialize=["x_row_stride", "num_tokens", "area", "slot", "slot_bytes", "rank", "timeout_ns",
+# x_row_stride stays specialised: a stride divisible by 16 lets the row loads be 16 bytes wide.
+@triton.jit(do_not_specialize=["num_tokens", "area", "slot", "slot_bytes", "rank", "timeout_ns",
                                "num_max_tokens", "experts_per_rank", "status_address"])
 def low_latency_dispatch_kernel(
     x_ptr, x_row_stride, topk_idx_ptr, num_tokens,
