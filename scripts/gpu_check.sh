@@ -29,6 +29,16 @@ if [ "$MODE" = compat ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_deep_ep_compat.py -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_compat_tests.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # The low-latency kernels alone (CUDA-graph replay) over rows per tile and warps; with
+  # BASELINE=path also a package copy from before a change, for an A/B in the same run.
+  for package in "$PWD" ${BASELINE:+"$BASELINE"}; do
+    for rows_warps in 2:16 4:16 8:16 4:8; do
+      echo "== low-latency kernels: package $package, rows:warps $rows_warps"
+      PYTHONPATH="$package" TRITONEP_LL_ROWS=${rows_warps%:*} TRITONEP_LL_WARPS=${rows_warps#*:} timeout 150 \
+        python3 scripts/host_path_probe.py --only-low-latency 2>&1 | grep -v Warning | tee -a "$OUT/ll_sweep.log" \
+        | grep -A3 '"ll_' | grep -v profile | tr -d '\n' ; echo
+    done
+  done
   for defaults in "" --defaults; do
     echo "== host path probe $defaults"
     timeout 240 python3 scripts/host_path_probe.py $defaults --json "$OUT/host_path${defaults:+_defaults}.json" \

@@ -56,6 +56,24 @@ def _gpu_us(group, fn, iters: int = 30) -> float:
     return statistics.median(samples)
 
 
+def _graph_us(fn, calls: int = 10, replays: int = 30) -> float:
+    """GPU time per call with no launch cost: ``calls`` calls captured in one CUDA graph, the
+    median replay divided by ``calls``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
 def _profile(fn, calls: int = 100, top: int = 14) -> str:
     """cProfile of ``calls`` calls, the functions with most own time first."""
     profile = cProfile.Profile()
@@ -69,7 +87,7 @@ def _profile(fn, calls: int = 100, top: int = 14) -> str:
     return text.getvalue()
 
 
-def run(group: dist.ProcessGroup, defaults: bool, profile: bool = False) -> dict:
+def run(group: dist.ProcessGroup, defaults: bool, profile: bool = False, only_low_latency: bool = False) -> dict:
     if defaults:
         torch.set_default_device("cuda")
         torch.set_default_dtype(torch.bfloat16)
@@ -113,16 +131,21 @@ def run(group: dist.ProcessGroup, defaults: bool, profile: bool = False) -> dict
                                                   topk_weights=topk_weights, num_worst_tokens=N * R),
         "combine": lambda: buffer.combine(recv_x, handle),
     }
+    if only_low_latency:
+        calls = {}
     x_ll = x[:T].contiguous()
     idx_ll = rand(T, E_LL).topk(K, dim=1).indices
     w_ll = topk_weights[:T].contiguous()
     packed, _, ll_handle, _, _ = buffer.low_latency_dispatch(x_ll, idx_ll, T, E_LL)
     y = (rand(*packed[0].shape) * 2 - 1).to(torch.bfloat16)
     calls["ll_dispatch"] = lambda: buffer.low_latency_dispatch(x_ll, idx_ll, T, E_LL)
+    calls["ll_dispatch_bf16"] = lambda: buffer.low_latency_dispatch(x_ll, idx_ll, T, E_LL, use_fp8=False)
     calls["ll_combine"] = lambda: buffer.low_latency_combine(y, idx_ll, w_ll, ll_handle)
     for name, fn in calls.items():
         try:
             report[name] = {"host_us": round(_host_us(fn), 1), "gpu_us": round(_gpu_us(group, fn), 1)}
+            if name.startswith("ll_"):   # capturable calls: their kernel time alone
+                report[name]["graph_us"] = round(_graph_us(fn), 1)
             if profile:
                 report[name]["profile"] = _profile(fn)
         except Exception as error:
@@ -143,10 +166,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     parser.add_argument("--defaults", action="store_true")
     parser.add_argument("--profile", action="store_true", help="cProfile each call (printed per call)")
+    parser.add_argument("--only-low-latency", action="store_true", help="skip the normal-mode calls")
     parser.add_argument("--json")
     args = parser.parse_args()
     with RankPool(args.ranks, use_gpu=True, timeout=300) as pool:
-        reports = pool.run(run, args.defaults, args.profile)
+        reports = pool.run(run, args.defaults, args.profile, args.only_low_latency)
     for name, value in reports[0].items():
         if isinstance(value, dict) and "profile" in value:
             print(f"== {name}: host {value['host_us']} us, GPU {value['gpu_us']} us per call")
