@@ -29,16 +29,29 @@ if [ "$MODE" = compat ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_deep_ep_compat.py -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_compat_tests.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  # The low-latency kernels alone (CUDA-graph replay) over rows per tile and warps; with
-  # BASELINE=path also a package copy from before a change, for an A/B in the same run.
-  for package in "$PWD" ${BASELINE:+"$BASELINE"}; do
-    for rows_warps in 2:16 4:16 8:16 4:8; do
-      echo "== low-latency kernels: package $package, rows:warps $rows_warps"
-      PYTHONPATH="$package" TRITONEP_LL_ROWS=${rows_warps%:*} TRITONEP_LL_WARPS=${rows_warps#*:} timeout 150 \
-        python3 scripts/host_path_probe.py --only-low-latency 2>&1 | grep -v Warning | tee -a "$OUT/ll_sweep.log" \
-        | grep -A3 '"ll_' | grep -v profile | tr -d '\n' ; echo
-    done
+  # The low-latency kernels alone (CUDA-graph replay) over their tile shapes: LL_SWEEP lists
+  # cast_groups:rows:warps; with BASELINE=path also a package copy from before a change (its
+  # default shape), for an A/B in the same run.
+  for shape in ${LL_SWEEP:-64:2:16 64:4:16 16:4:8 64:2:8}; do
+    IFS=: read -r groups rows warps <<< "$shape"
+    echo "== low-latency kernels: cast_groups $groups, rows $rows, warps $warps"
+    TRITONEP_LL_CAST_GROUPS=$groups TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps timeout 150 \
+      python3 scripts/host_path_probe.py --only-low-latency --json "$OUT/ll_$groups-$rows-$warps.json" \
+      2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
   done
+  if [ -n "${BASELINE:-}" ]; then
+    echo "== low-latency kernels: baseline package $BASELINE"
+    PYTHONPATH="$BASELINE" timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
+      --json "$OUT/ll_baseline.json" 2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
+  fi
+  python3 - "$OUT" <<'PYEOF'
+import glob, json, os, sys
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "ll_*.json"))):
+    report = json.load(open(path))[0]
+    cells = [f"{name} {report[name].get('graph_us')} us (host {report[name].get('host_us')})"
+             for name in ("ll_dispatch", "ll_dispatch_bf16", "ll_combine") if name in report]
+    print(f"{os.path.basename(path):<22}", " | ".join(cells))
+PYEOF
   for defaults in "" --defaults; do
     echo "== host path probe $defaults"
     timeout 240 python3 scripts/host_path_probe.py $defaults --json "$OUT/host_path${defaults:+_defaults}.json" \

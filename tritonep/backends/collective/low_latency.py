@@ -253,7 +253,8 @@ def combine(group: dist.ProcessGroup, source: torch.Tensor, topk_idx: torch.Tens
     if not bool(links.all()):   # shrink mode: nothing travels to or from ranks we are not linked with
         kept_pairs = links.to(device)[expert // (num_experts // num_ranks)]
         token_index, slot_k = token_index[kept_pairs], slot_k[kept_pairs]
-        row_source = torch.repeat_interleave(torch.arange(num_ranks), torch.tensor(layout.recv_splits))
+        row_source = torch.repeat_interleave(torch.arange(num_ranks, dtype=torch.int64, device="cpu"),
+                                             torch.tensor(layout.recv_splits, dtype=torch.int64, device="cpu"))
         kept_rows = links[row_source].to(device)
         recv_expert, recv_row = recv_expert[kept_rows], recv_row[kept_rows]
     send_back = [count if linked else 0 for count, linked in zip(layout.recv_splits, links.tolist())]

@@ -61,7 +61,6 @@ FREED = tl.constexpr(layout.DISPATCH_FREED)
 FLAGS = tl.constexpr(layout.DISPATCH_FLAGS)
 SENT_USE = tl.constexpr(layout.SENT_USE + 0)
 LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
-CAST_GROUPS = tl.constexpr(8)   # groups of 128 channels an fp8 cast step takes per row (1024 channels)
 CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
 
 
@@ -69,7 +68,7 @@ CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
 def _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block,
                  NUM_TOPK: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr,
                  ROUND_SCALE: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                 MESSAGE_WORDS: tl.constexpr, ROWS: tl.constexpr, GPU: tl.constexpr):
+                 MESSAGE_WORDS: tl.constexpr, ROWS: tl.constexpr, CAST_GROUPS: tl.constexpr, GPU: tl.constexpr):
     """Write the ``count`` rows routed to one expert as messages 0..count-1 of ``message_block``."""
     for first in range(0, count, ROWS):
         wanted = first + tl.arange(0, ROWS)
@@ -127,7 +126,7 @@ def low_latency_dispatch_kernel(
     PAIRS_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
     HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr, DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr, GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, GPU: tl.constexpr,
+    CAST_GROUPS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
     """``x_ptr`` is bf16 [N, H] for fp8 sends, else its int32 view (``x_row_stride`` in its
     elements). ``out_x_ptr`` is the int32 view of packed_recv_x; ``out_scales_ptr`` its scales
@@ -169,7 +168,8 @@ def low_latency_dispatch_kernel(
             receive_slot = (peer_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
             message_block = receive_slot + (local_expert * NUM_RANKS + rank) * block_words
             _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block, NUM_TOPK, HIDDEN,
-                         HIDDEN_PAD, USE_FP8, ROUND_SCALE, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, ROWS, GPU)
+                         HIDDEN_PAD, USE_FP8, ROUND_SCALE, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, ROWS, CAST_GROUPS,
+                         GPU)
         # One fence for all of this program's rows, then the flags: no round trip per expert.
         fence_system(GPU)
         for expert in range(pid, num_experts, num_programs):
