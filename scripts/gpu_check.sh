@@ -44,13 +44,18 @@ if [ "$MODE" = compat ]; then
     PYTHONPATH="$BASELINE" timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
       --json "$OUT/ll_baseline.json" 2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
   fi
+  # One table and one JSON for the sweep (the device tool brings back few files).
   python3 - "$OUT" <<'PYEOF'
 import glob, json, os, sys
+merged = {}
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "ll_*.json"))):
-    report = json.load(open(path))[0]
-    cells = [f"{name} {report[name].get('graph_us')} us (host {report[name].get('host_us')})"
-             for name in ("ll_dispatch", "ll_dispatch_bf16", "ll_combine") if name in report]
-    print(f"{os.path.basename(path):<22}", " | ".join(cells))
+    name = os.path.basename(path)[len("ll_"):-len(".json")]
+    merged[name] = report = json.load(open(path))[0]
+    os.remove(path)
+    cells = [f"{call} {report[call].get('graph_us')} us (host {report[call].get('host_us')})"
+             for call in ("ll_dispatch", "ll_dispatch_bf16", "ll_combine") if call in report]
+    print(f"{name:<12}", " | ".join(cells))
+json.dump(merged, open(os.path.join(sys.argv[1], "ll_sweep.json"), "w"), indent=1)
 PYEOF
   for defaults in "" --defaults; do
     echo "== host path probe $defaults"

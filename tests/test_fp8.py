@@ -16,18 +16,25 @@ E4M3_MAX = 448.0
 
 def reference_scales(x: torch.Tensor, round_scale: bool) -> list[list[float]]:
     """Per row, per 128 channels: max(amax, 1e-4) / 448 in float32, optionally 2**ceil(log2)."""
+    return [[scale for scale, _ in row] for row in reference_scales_and_factors(x, round_scale)]
+
+
+def reference_scales_and_factors(x: torch.Tensor, round_scale: bool) -> list[list[tuple[float, float]]]:
+    """Per row, per 128 channels: (scale, the factor x is multiplied by before the e4m3 cast):
+    (1 / max(amax, 1e-4)) * 448 in float32, or 1 / scale (exact) with rounded scales."""
     rows = []
     for row in x.float().tolist():
-        scales = []
+        pairs = []
         for start in range(0, len(row), 128):
-            amax = max(abs(v) for v in row[start:start + 128])
-            scale = torch.tensor(max(amax, 1e-4), dtype=torch.float32) / torch.tensor(448.0)
-            value = scale.item()
+            amax = torch.tensor(max(max(abs(v) for v in row[start:start + 128]), 1e-4), dtype=torch.float32)
+            scale = (amax / torch.tensor(448.0)).item()
+            factor = (torch.tensor(1.0) / amax * torch.tensor(448.0)).item()   # two float32 roundings
             if round_scale:
-                mantissa, exponent = math.frexp(value)  # exact in float64
-                value = 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
-            scales.append(value)
-        rows.append(scales)
+                mantissa, exponent = math.frexp(scale)  # exact in float64
+                scale = 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+                factor = 1.0 / scale
+            pairs.append((scale, factor))
+        rows.append(pairs)
     return rows
 
 
@@ -46,12 +53,15 @@ def test_scales_and_values(seed: int, rows: int, groups: int, spread: float, rou
     x_fp8, scales = fp8.cast_to_fp8(x, round_scale=round_scale)
     assert x_fp8.dtype == torch.float8_e4m3fn and x_fp8.shape == x.shape
     assert scales.dtype == torch.float32 and scales.shape == (rows, groups)
-    expected = reference_scales(x, round_scale)
+    pairs = reference_scales_and_factors(x, round_scale)
+    expected = [[scale for scale, _ in row] for row in pairs]
     assert scales.tolist() == expected
-    # Values: x / scale rounded to e4m3; |x / scale| <= 448 up to float32 rounding of the
-    # division (which then rounds to 448 in e4m3), error within e4m3 rounding.
+    # Values: x * factor rounded to e4m3; |x * factor| <= 448 up to float32 rounding of the
+    # product (which then rounds to 448 in e4m3), error within e4m3 rounding.
     per_channel = torch.tensor(expected).repeat_interleave(128, 1) if rows else torch.zeros(0, groups * 128)
-    scaled = x.float() / per_channel
+    factors = torch.tensor([[factor for _, factor in row] for row in pairs], dtype=torch.float32)
+    per_channel_factor = factors.repeat_interleave(128, 1) if rows else torch.zeros(0, groups * 128)
+    scaled = x.float() * per_channel_factor
     assert scaled.abs().max().item() <= E4M3_MAX * (1 + 2 ** -20) if rows else True
     assert torch.equal(x_fp8.float(), scaled.to(torch.float8_e4m3fn).float())
     back = fp8.cast_back(x_fp8, scales)

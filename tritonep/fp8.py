@@ -4,8 +4,10 @@ One definition of the rounding rules means the CPU backend, the NVLink kernels a
 references cannot drift apart. Plain torch, so it runs on CPU and CUDA tensors alike.
 
 Layout: per token, per group of 128 channels, ``scale = max(amax, 1e-4) / 448`` (float32),
-``x_fp8 = (x / scale)`` cast to e4m3. With ``round_scale`` the scale is rounded *up* to a
-power of two, so ``x / scale`` never exceeds 448. With ``use_ue8m0`` (power-of-two scales
+``x_fp8 = x * ((1 / max(amax, 1e-4)) * 448)`` cast to e4m3: one reciprocal per group, then
+products, as DeepEP's ``per_token_cast_to_fp8`` computes it (``448.0 / amax`` in torch). With ``round_scale`` the scale
+is rounded *up* to a power of two and the factor is its exact inverse, so ``x * factor`` never
+exceeds 448. With ``use_ue8m0`` (power-of-two scales
 only) each scale ``2**k`` is stored as the byte ``k + 127`` and four bytes are packed into one
 int32, group 0 in the lowest byte (DeepEP's UE8M0 layout).
 """
@@ -39,7 +41,7 @@ def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
 
     ``frexp`` gives ``scale = m * 2**e`` with m in [0.5, 1): the answer is ``2**(e-1)`` when m is
     exactly 0.5 (already a power of two), else ``2**e``. A float ``log2`` can round a value just
-    above a power of two down onto it, which would let ``x / scale`` overflow 448.
+    above a power of two down onto it, which would let ``x * (1 / scale)`` overflow 448.
     """
     mantissa, exponent = torch.frexp(scale)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
@@ -87,7 +89,12 @@ def cast_to_fp8(
     scale = amax / FP8_MAX
     if round_scale or use_ue8m0:
         scale = round_up_to_power_of_two(scale)
-    x_fp8 = (grouped / scale.unsqueeze(-1)).to(FP8_DTYPE).reshape(x.shape)
+        factor = 1.0 / scale   # exact: scale is a power of two
+    else:
+        # What ``448.0 / amax`` evaluates to in torch (a reciprocal, then a product), as DeepEP's
+        # per_token_cast_to_fp8 writes it; spelt out so the kernels can match it bit for bit.
+        factor = amax.reciprocal() * FP8_MAX
+    x_fp8 = (grouped * factor.unsqueeze(-1)).to(FP8_DTYPE).reshape(x.shape)
     if use_ue8m0:
         return x_fp8, pack_ue8m0(scale)
     return x_fp8, scale

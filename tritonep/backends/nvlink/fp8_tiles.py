@@ -2,8 +2,9 @@
 
 The same rules as ``tritonep.fp8.cast_to_fp8`` (the CPU backend's): per row, per 128
 channels, ``scale = max(amax, 1e-4) / 448``, optionally rounded up to a power of two, and
-``x / scale`` rounded to nearest-even e4m3. Both divisions are IEEE-exact (``div_rn``), so
-the GPU kernels and the CPU backend produce the same bytes.
+``x * ((1 / amax) * 448)`` (or ``x * (1 / scale)`` with rounded scales) rounded to
+nearest-even e4m3. The divisions are IEEE-exact (``div_rn``) and the products IEEE too, so the GPU
+kernels and the CPU backend produce the same bytes.
 
 On GPUs the conversion is the hardware's ``cvt.rn.satfinite``. Triton's interpreter rounds
 fp8 ties away from zero and mishandles mantissa carries, so under ``TRITON_INTERPRET`` the
@@ -73,7 +74,12 @@ def cast_rows_to_messages(x_ptr, tokens, x_row_stride, row_ok, messages, HIDDEN:
             # 2**ceil(log2(scale)): bump the exponent unless the mantissa is already zero.
             scale_bits = scales.to(tl.int32, bitcast=True)
             scales = ((scale_bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-        scaled = tl.math.div_rn(values, scales[:, :, None])
+            factors = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scales)   # exact
+        else:
+            factors = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 448.0
+        # One division per group, then products (IEEE, like the CPU backend's): a division per
+        # channel cost more than the rest of the cast.
+        scaled = values * factors[:, :, None]
         if GPU:
             fp8_bytes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
