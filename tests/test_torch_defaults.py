@@ -9,7 +9,10 @@ Callers (DeepEP's tests, serving stacks) run ``torch.set_default_device('cuda')`
   device lands on ``meta`` there, and mixing it with real tensors or reading it raises, so the
   CPU tests catch what ``set_default_device('cuda')`` breaks on GPUs (pinned host words made
   without ``device="cpu"``, host copies of counts, ...). The NVLink backend runs under Triton's
-  interpreter, through the same case code its GPU tests use;
+  interpreter, through the same case code its GPU tests use. Buffer's calls and hooks run with
+  torch-function handling off (buffer._without_torch_function), which also switches the
+  default-device mode off inside them: there the run checks the results and the scan above
+  the code; the constructor, which runs with the mode on, is checked by both;
 * DeepEP's ``utils`` helpers give the same results under those defaults.
 """
 

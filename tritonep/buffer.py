@@ -7,6 +7,7 @@ inside one node). The methods, arguments and return values follow ``deep_ep.Buff
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import os
@@ -27,6 +28,26 @@ from .handles import DispatchHandle, LowLatencyHandle
 from .streams import on_comm_stream
 
 _buffer_ids = itertools.count(1)
+
+
+def _without_torch_function(call: Callable) -> Callable:
+    """Run ``call`` with torch-function handling off.
+
+    ``torch.set_default_device('cuda')``, which DeepEP's users run, installs a torch-function
+    mode that intercepts every torch call made from Python, a few microseconds each: it tripled
+    the host time of a low-latency call (measured on an H200). Every tensor tritonep makes names
+    its device and dtype (a test scans for it), so such modes have nothing to do inside a call.
+    """
+    @functools.wraps(call)
+    def plain(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return call(*args, **kwargs)
+    return plain
+
+
+def _hook(receive: Callable[[], None] | None) -> Callable[[], None] | None:
+    """A receive hook, run like the call that made it (see _without_torch_function)."""
+    return None if receive is None else _without_torch_function(receive)
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -192,6 +213,7 @@ class Buffer:
         """The stream communication kernels run on (None on the CPU backend)."""
         return self.backend.comm_stream()
 
+    @_without_torch_function
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """A view of this rank's communication memory.
@@ -217,6 +239,7 @@ class Buffer:
         return self.backend.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     # ------------------------------------------------------------------ normal mode
+    @_without_torch_function
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
@@ -249,6 +272,7 @@ class Buffer:
             scope.keep(per_rank, per_expert, in_rank)
         return per_rank, None, per_expert, in_rank, scope.event
 
+    @_without_torch_function
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -355,6 +379,7 @@ class Buffer:
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights,
                 result.num_recv_tokens_per_expert_list, result.handle, scope.event)
 
+    @_without_torch_function
     def combine(
         self,
         x: torch.Tensor,
@@ -404,6 +429,7 @@ class Buffer:
         return combined_x, combined_weights, scope.event
 
     # ------------------------------------------------------------------ low-latency mode
+    @_without_torch_function
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -450,12 +476,14 @@ class Buffer:
         stream = self.backend.low_latency_stream(async_finish)
         if stream is None:   # the caller's stream: nothing to order, no event (decode-time host cost)
             result = self.backend.low_latency_dispatch(request)
-            return result.packed_recv_x, result.packed_recv_count, result.handle, EventOverlap(None), result.hook
+            return result.packed_recv_x, result.packed_recv_count, result.handle, EventOverlap(None), \
+                _hook(result.hook)
         with on_comm_stream(stream, None, async_finish, (x, topk_idx)) as scope:
             result = self.backend.low_latency_dispatch(request)
             scope.keep(result.packed_recv_x, result.packed_recv_count)
-        return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, result.hook
+        return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, _hook(result.hook)
 
+    @_without_torch_function
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -514,14 +542,15 @@ class Buffer:
         if stream is None:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
                                                               return_recv_hook, out, wait_stats)
-            return combined, EventOverlap(None), hook
+            return combined, EventOverlap(None), _hook(hook)
         inputs = (x, topk_idx, topk_weights)
         with on_comm_stream(stream, None, async_finish, inputs) as scope:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
                                                               return_recv_hook, out, wait_stats)
             scope.keep(combined)
-        return combined, scope.event, hook
+        return combined, scope.event, _hook(hook)
 
+    @_without_torch_function
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """A writable bf16 [E/R, R*T, H] view that ``low_latency_combine(zero_copy=True)`` sends from."""
         self._check_alive()
@@ -529,6 +558,7 @@ class Buffer:
         self._check_handle(handle, LowLatencyHandle)
         return self.backend.get_next_low_latency_combine_buffer(handle)
 
+    @_without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency area after its memory was used by normal mode. Collective over
         the ranks this rank does not mask (shrink mode)."""
@@ -538,6 +568,7 @@ class Buffer:
         self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     # ------------------------------------------------------------------ shrink mode (rank masks)
+    @_without_torch_function
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask or unmask one rank for this rank's low-latency calls (shrink mode).
 
@@ -562,6 +593,7 @@ class Buffer:
         require(isinstance(mask, int), f"mask must be a bool, got {type(mask).__name__}")
         rank_mask[rank_to_mask] = 1 if mask else 0
 
+    @_without_torch_function
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Copy this rank's masks into ``mask_status`` (shrink mode), in stream order.
 
@@ -576,6 +608,7 @@ class Buffer:
                             device=self.device, contiguous=False)
         mask_status.copy_(rank_mask)
 
+    @_without_torch_function
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank (shrink mode), in stream order."""
         self._check_shrink("low_latency_clean_mask_buffer")

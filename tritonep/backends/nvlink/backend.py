@@ -23,15 +23,11 @@ from ...routing import count_matrix_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_kernel import combine_kernel
 from .dispatch_kernel import dispatch_kernel
-from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
 from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import notify_dispatch
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
-
-_DISPATCH = FastLauncher(dispatch_kernel)
-_COMBINE = FastLauncher(combine_kernel)
 
 
 @dataclass
@@ -270,7 +266,7 @@ class NvlinkBackend(Backend):
         words = x.view(torch.int32) if x.dim() == 2 else x
         scale_view = scales.view(torch.int32) if scales is not None else words
         t = self.tuning
-        _DISPATCH[(senders + receivers,)](
+        dispatch_kernel[(senders + receivers,)](
             words, x_words, scale_view, max(scale_words, 1),
             scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
             request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
@@ -316,7 +312,7 @@ class NvlinkBackend(Backend):
         if hidden % 2:
             raise InputError(f"the NVLink backend moves combine rows in 4-byte words; hidden must be even, "
                              f"got {hidden}")
-        _COMBINE[(senders + reducers,)](
+        combine_kernel[(senders + reducers,)](
             x, x.view(torch.int32), topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
             handle.is_token_in_rank,
             plan.send_pos, bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x,

@@ -2,7 +2,7 @@
 
 ``kernel[grid](...)`` binds the arguments, computes a specialisation key and looks the
 compiled kernel up on every call: tens of microseconds for kernels with many arguments,
-which a decode-time call cannot afford and a normal-mode call pays several times.
+which a decode-time call cannot afford.
 ``FastLauncher`` does that once per specialisation and afterwards calls the compiled kernel
 directly. Its key holds what Triton specialises our arguments on: the constexpr values,
 which pointers are 16-byte aligned, and for integers whether they need 64 bits and, unless

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import FastLauncher
 from .memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
 from .sync import GPU_KERNELS, PHASE_NOTIFY, publish, wait_at_least
 
@@ -95,9 +94,6 @@ def notify_dispatch_kernel(
         tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, tl.sum(invalid, axis=0))
 
 
-_NOTIFY = FastLauncher(notify_dispatch_kernel)
-
-
 def notify_dispatch(
     memory: SymmetricBuffer,
     is_token_in_rank: torch.Tensor,
@@ -125,7 +121,7 @@ def notify_dispatch(
     result = torch.empty(num_ranks * num_ranks + experts_per_rank + 2, dtype=torch.int32, device=device) \
         if exchange else None
     layout = memory.signals
-    _NOTIFY[(1,)](
+    notify_dispatch_kernel[(1,)](
         is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, signature,
         token_list, token_list.stride(0), send_pos, result if exchange else send_pos,
         memory.peer_base_ptrs, memory.rank, notify_epoch, max(experts_per_rank, 1), status, timeout_ns,
