@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep.bench_low_latency import _timed_us  # idle GPU at the start event, launch included
 from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
 
@@ -39,21 +40,6 @@ def _host_us(fn, calls: int = 200) -> float:
     elapsed = time.perf_counter() - begin
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-def _gpu_us(group, fn, iters: int = 30) -> float:
-    """Median time from an idle GPU to the end of one call, launch included."""
-    samples = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
 
 
 def _graph_us(fn, calls: int = 10, replays: int = 30) -> float:
@@ -143,7 +129,7 @@ def run(group: dist.ProcessGroup, defaults: bool, profile: bool = False, only_lo
     calls["ll_combine"] = lambda: buffer.low_latency_combine(y, idx_ll, w_ll, ll_handle)
     for name, fn in calls.items():
         try:
-            report[name] = {"host_us": round(_host_us(fn), 1), "gpu_us": round(_gpu_us(group, fn), 1)}
+            report[name] = {"host_us": round(_host_us(fn), 1), "gpu_us": round(_timed_us(group, fn, 30), 1)}
             if name.startswith("ll_"):   # capturable calls: their kernel time alone
                 report[name]["graph_us"] = round(_graph_us(fn), 1)
             if profile:

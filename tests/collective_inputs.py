@@ -1,5 +1,6 @@
 """Random routing shared by the collective-backend tests (each rank regenerates any rank's
-inputs from ``(seed, rank)``, so references can be built for every source)."""
+inputs from ``(seed, rank)``, so references can be built for every source), and the stand-in
+expert of the low-latency tests with its brute-force combine."""
 
 from __future__ import annotations
 
@@ -21,3 +22,28 @@ def random_routing(generator: torch.Generator, num_tokens: int, num_experts: int
 def odd_strides_if_empty(x: torch.Tensor, hidden: int) -> torch.Tensor:
     """Empty tensors may carry any strides (here 0): the backend must cope."""
     return torch.zeros(0, 1, dtype=x.dtype).expand(0, hidden) if x.shape[0] == 0 else x
+
+
+def stand_in_expert(packed, use_fp8: bool, me: int) -> torch.Tensor:
+    """Low-latency expert outputs: each (dequantised) row times (its global expert id + 1), so
+    rows given to the wrong expert show. ``packed`` is packed_recv_x ([E/R, R*T, H]; with fp8
+    the (data, float32 scales) pair)."""
+    if use_fp8:
+        data, scales = packed
+        rows = (data.float().view(*data.shape[:2], -1, 128) * scales.unsqueeze(-1)).view(data.shape)
+    else:
+        rows = packed.float()
+    per_rank = rows.shape[0]
+    factor = torch.arange(1, per_rank + 1, dtype=torch.float32, device="cpu").view(-1, 1, 1) + me * per_rank
+    return (rows * factor).bfloat16()
+
+
+def brute_force_combine(x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 sum over k of weights[t, k] * stand-in expert topk_idx[t, k] applied to x[t]."""
+    total = torch.zeros(x.shape, dtype=torch.float32, device="cpu")
+    for t in range(x.shape[0]):
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k])
+            if e >= 0:
+                total[t] += weights[t, k] * (x[t].float() * (e + 1)).bfloat16().float()
+    return total

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from collective_inputs import odd_strides_if_empty, random_routing
+from collective_inputs import brute_force_combine, odd_strides_if_empty, random_routing, stand_in_expert
 from torch_defaults import pool_options
 
 import tritonep as deep_ep
@@ -128,23 +128,6 @@ def case_dispatch_layout(group, seed: int, hidden: int, num_topk: int, use_fp8: 
                     assert math.log2(scale) == round(math.log2(scale))
 
 
-def expert_output(packed_x: torch.Tensor, num_ranks: int, me: int) -> torch.Tensor:
-    """A stand-in expert: row * (global expert id + 1), so mixed-up experts show."""
-    per_rank = packed_x.shape[0]
-    factor = torch.arange(1, per_rank + 1, dtype=torch.float32).view(-1, 1, 1) + me * per_rank
-    return (packed_x.float() * factor).bfloat16()
-
-
-def reference_combine(x, topk_idx, weights) -> torch.Tensor:
-    total = torch.zeros(x.shape, dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for k in range(topk_idx.shape[1]):
-            e = int(topk_idx[t, k])
-            if e >= 0:
-                total[t] += weights[t, k] * (x[t].float() * (e + 1)).bfloat16().float()
-    return total
-
-
 def case_round_trip(group, seed: int, hidden: int, zero_copy: bool, use_out: bool, hook_mode: bool) -> None:
     me, num_ranks = group.rank(), group.size()
     sizes = token_counts(num_ranks, seed)
@@ -158,7 +141,7 @@ def case_round_trip(group, seed: int, hidden: int, zero_copy: bool, use_out: boo
     assert count.tolist() == [len(rows) for rows in layout]
     assert [handle[0][e, :len(rows)].tolist() for e, rows in enumerate(layout)] == [[t for _, t in rows]
                                                                                    for rows in layout]
-    y = expert_output(packed, num_ranks, me)
+    y = stand_in_expert(packed, False, me)
     source = y
     if zero_copy:
         source = buffer.get_next_low_latency_combine_buffer(handle)
@@ -171,7 +154,7 @@ def case_round_trip(group, seed: int, hidden: int, zero_copy: bool, use_out: boo
     if use_out:
         assert combined.data_ptr() == out.data_ptr()
     assert combined.dtype == torch.bfloat16 and combined.shape == x.shape
-    torch.testing.assert_close(combined.float(), reference_combine(x, topk_idx, weights), rtol=2 ** -7, atol=1e-4)
+    torch.testing.assert_close(combined.float(), brute_force_combine(x, topk_idx, weights), rtol=2 ** -7, atol=1e-4)
 
 
 def case_fp8_round_trip(group, seed: int, round_scale: bool, use_ue8m0: bool) -> None:
@@ -197,7 +180,7 @@ def case_fp8_round_trip(group, seed: int, round_scale: bool, use_ue8m0: bool) ->
 
 def case_hook_two_batches(group, seed: int) -> None:
     """Two dispatches in flight (double buffering), received in reverse order."""
-    me, num_ranks = group.rank(), group.size()
+    me = group.rank()
     hidden = 256
     buffer = make_buffer(group, hidden)
     batches = [make_inputs(seed + i, me, T, hidden, 3) for i in range(2)]
@@ -207,11 +190,11 @@ def case_hook_two_batches(group, seed: int) -> None:
         hook()
     combines = []
     for (_, idx, w), (packed, _, handle, _, _) in zip(batches, issued, strict=True):
-        combines.append(buffer.low_latency_combine(expert_output(packed, num_ranks, me), idx, w, handle,
+        combines.append(buffer.low_latency_combine(stand_in_expert(packed, False, me), idx, w, handle,
                                                    return_recv_hook=True))
     for (combined, _, hook), (x, idx, w) in zip(combines, batches, strict=True):
         hook()
-        torch.testing.assert_close(combined.float(), reference_combine(x, idx, w), rtol=2 ** -7, atol=1e-4)
+        torch.testing.assert_close(combined.float(), brute_force_combine(x, idx, w), rtol=2 ** -7, atol=1e-4)
 
 
 def case_stats(group, seed: int) -> None:

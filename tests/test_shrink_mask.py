@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from collective_inputs import random_routing
+from collective_inputs import brute_force_combine, random_routing, stand_in_expert
 
 import tritonep as deep_ep
 from tritonep.checks import InputError
@@ -79,28 +79,6 @@ def buffers(group, hidden: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
             deep_ep.Buffer(group, num_rdma_bytes=size, low_latency_mode=True, enable_shrink=True))
 
 
-def expert_output(packed, use_fp8: bool, me: int) -> torch.Tensor:
-    """Stand-in expert: (dequantised) row * (global expert id + 1)."""
-    if use_fp8:
-        data, scales = packed
-        rows = (data.float().view(*data.shape[:2], -1, 128) * scales.unsqueeze(-1)).view(data.shape)
-    else:
-        rows = packed.float()
-    per_rank = rows.shape[0]
-    factor = torch.arange(1, per_rank + 1, dtype=torch.float32).view(-1, 1, 1) + me * per_rank
-    return (rows * factor).bfloat16()
-
-
-def brute_force_combine(x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    total = torch.zeros(x.shape, dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for k in range(topk_idx.shape[1]):
-            e = int(topk_idx[t, k])
-            if e >= 0:
-                total[t] += weights[t, k] * (x[t].float() * (e + 1)).bfloat16().float()
-    return total
-
-
 def _rows(packed, use_fp8: bool, expert: int, begin: int, count: int) -> list[torch.Tensor]:
     if use_fp8:
         return [packed[0][expert, begin:begin + count].view(torch.uint8), packed[1][expert, begin:begin + count]]
@@ -163,12 +141,12 @@ def case_masked_round_trip(group, seed: int, scenario: str, combine_scenario: st
     cut = torch.tensor([not combine_links[me][r] for r in range(num_ranks)])
     kept_weights = torch.where((topk_idx >= 0) & ~cut[topk_idx.clamp(min=0) // per_rank], weights, 0.0)
     combine_wait = torch.zeros(num_ranks, dtype=torch.int64)
-    combined, _, combine_hook = shrink.low_latency_combine(expert_output(packed, use_fp8, me), topk_idx, weights,
+    combined, _, combine_hook = shrink.low_latency_combine(stand_in_expert(packed, use_fp8, me), topk_idx, weights,
                                                            handle, return_recv_hook=hook,
                                                            combine_wait_recv_cost_stats=combine_wait)
     if hook:
         combine_hook()
-    expected = plain.low_latency_combine(expert_output(packed_u, use_fp8, me), topk_idx, kept_weights, handle_u)[0]
+    expected = plain.low_latency_combine(stand_in_expert(packed_u, use_fp8, me), topk_idx, kept_weights, handle_u)[0]
     torch.testing.assert_close(combined.float(), expected.float(), rtol=2 ** -7, atol=1e-4)
     if not use_fp8:
         torch.testing.assert_close(combined.float(), brute_force_combine(x, topk_idx, kept_weights), rtol=2 ** -7,
