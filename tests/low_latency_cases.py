@@ -229,21 +229,30 @@ def rejoin_after_clean(group: dist.ProcessGroup, case: LowLatencyCase) -> list[s
     return problems + compare_low_latency(group, rejoined)
 
 
-def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[str]:
+def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3, masked: bool = False) -> list[str]:
     """Capture dispatch -> stand-in expert -> combine in one CUDA graph, replay it on new inputs
-    copied into the captured tensors, and compare each replay with the CPU backend."""
+    copied into the captured tensors, and compare each replay with the CPU backend.
+
+    ``masked`` (shrink mode): the capture also sets this rank's masks (the last rank dropped; a
+    single rank masks itself) before the dispatch and clears them after the combine; the CPU
+    backend uses the same masks."""
     size = group.size()
     case = LowLatencyCase(seed=seed, tokens=tuple(32 for _ in range(size)), T=32, hidden=1024,
-                          num_experts=8 * size, num_topk=4)
+                          num_experts=8 * size, num_topk=4, masks=() if masked else None)
+    masks = (symmetric_masks(size, (size - 1,))[group.rank()] if size > 1 else (0,)) if masked else ()
     rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, size, case.num_experts)
-    nvlink, cpu = buffers(group, rdma_bytes)
+    nvlink, cpu = buffers(group, rdma_bytes, shrink=masked)
     device = nvlink.device
     static = [t.to(device) for t in make_inputs(case, group.rank(), 0)]
 
     def step():
+        if masked:
+            set_masks(nvlink, masks)
         packed, count, handle, _, _ = nvlink.low_latency_dispatch(static[0], static[1], case.T, case.num_experts)
         combined, _, _ = nvlink.low_latency_combine(expert_outputs(packed, True, nvlink.rank), static[1], static[2],
                                                     handle)
+        if masked:
+            nvlink.low_latency_clean_mask_buffer()
         return count, combined
 
     side = torch.cuda.Stream()
@@ -255,6 +264,8 @@ def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[
     with torch.cuda.graph(graph):
         count, combined = step()
     problems = []
+    if masked:
+        set_masks(cpu, masks)
     for replay in range(1, replays + 1):
         inputs = make_inputs(case, group.rank(), replay)
         for target, value in zip(static, inputs):
@@ -266,56 +277,12 @@ def graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[
         expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, True, cpu.rank), topk_idx, weights, handle)
         problems += _differences(f"replay {replay} count", count.cpu(), expected_count)
         problems += _differences(f"replay {replay} combined", combined.cpu(), expected)
-    return problems
-
-
-def masked_graph_replay(group: dist.ProcessGroup, seed: int, replays: int = 3) -> list[str]:
-    """Shrink mode in a CUDA graph: the capture sets this rank's masks (the last rank dropped;
-    a single rank masks itself), dispatches, combines and clears the masks; each replay is
-    compared with the CPU backend with the same masks."""
-    size = group.size()
-    case = LowLatencyCase(seed=seed, tokens=tuple(32 for _ in range(size)), T=32, hidden=1024,
-                          num_experts=8 * size, num_topk=4, masks=())
-    masks = symmetric_masks(size, (size - 1,))[group.rank()] if size > 1 else (0,)
-    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, size, case.num_experts)
-    nvlink, cpu = buffers(group, rdma_bytes, shrink=True)
-    device = nvlink.device
-    static = [t.to(device) for t in make_inputs(case, group.rank(), 0)]
-
-    def step():
-        set_masks(nvlink, masks)
-        packed, count, handle, _, _ = nvlink.low_latency_dispatch(static[0], static[1], case.T, case.num_experts)
-        combined, _, _ = nvlink.low_latency_combine(expert_outputs(packed, True, nvlink.rank), static[1], static[2],
-                                                    handle)
-        nvlink.low_latency_clean_mask_buffer()
-        return count, combined
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        count, combined = step()
-    problems = []
-    set_masks(cpu, masks)
-    for replay in range(1, replays + 1):
-        inputs = make_inputs(case, group.rank(), replay)
-        for target, value in zip(static, inputs):
-            target.copy_(value)
-        graph.replay()
-        torch.cuda.synchronize()
-        x, topk_idx, weights = inputs
-        packed, expected_count, handle, _, _ = cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts)
-        expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, True, cpu.rank), topk_idx, weights, handle)
-        problems += _differences(f"replay {replay} count", count.cpu(), expected_count)
-        problems += _differences(f"replay {replay} combined", combined.cpu(), expected)
-    status = torch.ones(size, dtype=torch.int32, device=device)
-    nvlink.low_latency_query_mask_buffer(status)
-    if status.cpu().tolist() != [0] * size:
-        problems.append(f"masks after the graph: {status.tolist()}")
-    cpu.low_latency_clean_mask_buffer()
+    if masked:
+        status = torch.ones(size, dtype=torch.int32, device=device)
+        nvlink.low_latency_query_mask_buffer(status)
+        if status.cpu().tolist() != [0] * size:
+            problems.append(f"masks after the graph: {status.tolist()}")
+        cpu.low_latency_clean_mask_buffer()
     return problems
 
 

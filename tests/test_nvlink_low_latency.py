@@ -15,7 +15,6 @@ from low_latency_cases import (
     LowLatencyCase,
     compare_low_latency,
     graph_replay,
-    masked_graph_replay,
     rejoin_after_clean,
     stalled_peer_error,
     symmetric_masks,
@@ -228,7 +227,7 @@ def test_gpu_masked_rank_that_makes_no_calls(gpu_pool) -> None:
 @pytest.mark.gpu
 def test_gpu_masked_cuda_graph_replay(gpu_pool) -> None:
     """Mask updates, dispatch and combine captured in one CUDA graph and replayed."""
-    problems = gpu_pool.run(masked_graph_replay, 17)
+    problems = gpu_pool.run(graph_replay, 17, masked=True)
     assert all(not p for p in problems), problems
 
 
