@@ -584,9 +584,7 @@ class Buffer:
             rank_to_mask: the rank in [0, R) to mask or unmask.
             mask: True to mask the rank, False to unmask it.
         """
-        self._check_shrink("low_latency_update_mask_buffer")
-        rank_mask = self.backend.rank_mask
-        assert rank_mask is not None
+        rank_mask = self._shrink_mask("low_latency_update_mask_buffer")
         require(isinstance(rank_to_mask, int) and not isinstance(rank_to_mask, bool)
                 and 0 <= rank_to_mask < self.group_size,
                 f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
@@ -601,9 +599,7 @@ class Buffer:
             mask_status: int32 [R] on this Buffer's device; entry r becomes 1 if this rank
                 masks rank r, else 0.
         """
-        self._check_shrink("low_latency_query_mask_buffer")
-        rank_mask = self.backend.rank_mask
-        assert rank_mask is not None
+        rank_mask = self._shrink_mask("low_latency_query_mask_buffer")
         checks.check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,),
                             device=self.device, contiguous=False)
         mask_status.copy_(rank_mask)
@@ -611,20 +607,21 @@ class Buffer:
     @_without_torch_function
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank (shrink mode), in stream order."""
-        self._check_shrink("low_latency_clean_mask_buffer")
-        rank_mask = self.backend.rank_mask
-        assert rank_mask is not None
+        rank_mask = self._shrink_mask("low_latency_clean_mask_buffer")
         rank_mask.zero_()
 
     # ------------------------------------------------------------------ internals
     def _check_alive(self) -> None:
         require(not self._destroyed, "this Buffer was destroyed")
 
-    def _check_shrink(self, method: str) -> None:
+    def _shrink_mask(self, method: str) -> torch.Tensor:
+        """The backend's int32 [R] rank mask, after checking that this Buffer is in shrink mode."""
         self._check_alive()
         require(self.low_latency_mode and self.enable_shrink,
                 f"{method} needs a Buffer made with low_latency_mode=True and enable_shrink=True (shrink mode), "
                 f"this one has low_latency_mode={self.low_latency_mode}, enable_shrink={self.enable_shrink}")
+        assert self.backend.rank_mask is not None
+        return self.backend.rank_mask
 
     def _check_handle(self, handle: object, kind: type = DispatchHandle) -> None:
         """``kind``: DispatchHandle for dispatch/combine, LowLatencyHandle for the low-latency calls."""
