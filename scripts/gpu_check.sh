@@ -26,7 +26,7 @@ cat "$OUT/system.txt"
 
 if [ "$MODE" = compat ]; then
   echo "== compatibility tests (R = $(nvidia-smi -L | wc -l) GPUs)"
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_deep_ep_compat.py -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_deep_ep_compat.py tests/test_deep_ep_compat_low_latency.py -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_compat_tests.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   # The low-latency kernels alone (CUDA-graph replay) over their tile shapes: LL_SWEEP lists
@@ -73,7 +73,7 @@ elif [ "$MODE" = ll ]; then
   tests=(tests/test_nvlink_low_latency.py)
   bench_args=(--skip-normal)
 else
-  tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py)
+  tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py tests/test_deep_ep_compat_low_latency.py)
   bench_args=(--sweep)
 fi
 echo "== GPU tests ($MODE), under DeepEP's torch defaults (cuda device, bf16 dtype)"
