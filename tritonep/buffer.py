@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checks
+from . import checks, routing, topology
 from .backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
 from .backends.nvlink.low_latency_layout import LowLatencyRegions
 from .checks import InputError, require
@@ -86,7 +86,10 @@ class Buffer:
     Arguments:
         group: the process group of the expert-parallel ranks. gloo with CPU tensors selects
             the CPU backend; NCCL with CUDA tensors (all ranks in one node) the NVLink backend.
-            May be None when ``comm`` is given.
+            May be None when ``comm`` is given. Its ranks split into ``num_nodes`` nodes of
+            ``ranks_per_node`` consecutive ranks (:mod:`tritonep.topology`:
+            ``TRITONEP_GPUS_PER_NODE``, else nodes of 8 as in DeepEP); only the CPU backend
+            takes a group that spans several nodes.
         num_nvl_bytes: bytes of the intranode buffer used by normal-mode dispatch/combine.
         num_rdma_bytes: bytes of the buffer used by low-latency mode (and, later, internode).
         low_latency_mode: enable the low-latency kernels.
@@ -145,6 +148,10 @@ class Buffer:
             group_backend = dist.get_backend(group)
         kind = _backend_kind(group_backend)
         _check_backend_options(kind, group_backend, low_latency_mode, allow_nvlink_for_low_latency_mode, use_fabric)
+        num_ranks = group.size() if group is not None else int(comm.Get_size())
+        self.ranks_per_node = topology.ranks_per_node(num_ranks)
+        self.num_nodes = num_ranks // self.ranks_per_node
+        _check_node_split(kind, self.num_nodes, self.ranks_per_node)
         if group is None:
             group = group_from_comm(comm)   # the first communication
         self.group = group
@@ -257,7 +264,9 @@ class Buffer:
 
         Returns:
             num_tokens_per_rank: [R] int32.
-            num_tokens_per_rdma_rank: None (all ranks are in one node).
+            num_tokens_per_rdma_rank: int32 [num_nodes] on this Buffer's device, the tokens that go
+                to at least one rank of each node (counted once per node), when the group spans
+                several nodes; None when it is one node.
             num_tokens_per_expert: [E] int32.
             is_token_in_rank: [N, R] bool.
             event: the event to wait on when ``async_finish``.
@@ -269,8 +278,9 @@ class Buffer:
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)
         with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, (topk_idx,)) as scope:
             per_rank, per_expert, in_rank = self.backend.get_dispatch_layout(topk_idx, num_experts)
-            scope.keep(per_rank, per_expert, in_rank)
-        return per_rank, None, per_expert, in_rank, scope.event
+            per_node = routing.tokens_per_node(in_rank, self.ranks_per_node) if self.num_nodes > 1 else None
+            scope.keep(per_rank, per_expert, in_rank, per_node)
+        return per_rank, per_node, per_expert, in_rank, scope.event
 
     @_without_torch_function
     def dispatch(
@@ -298,7 +308,10 @@ class Buffer:
             handle: a handle from an earlier dispatch: reuse its layout (cached mode). Then the
                 layout arguments and top-k must be None.
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from
-                ``get_dispatch_layout``. ``num_tokens_per_rdma_rank`` must be None (one node).
+                ``get_dispatch_layout``.
+            num_tokens_per_rdma_rank: from ``get_dispatch_layout``: int32 [num_nodes], required by
+                a fresh dispatch when the group spans several nodes (as in DeepEP's internode
+                dispatch); must be None in cached mode and when the group is one node.
             topk_idx: [N, K] int64 global expert ids (-1 = none); topk_weights: [N, K] float32.
             expert_alignment: round each per-expert count up to a multiple of this.
             num_worst_tokens: if > 0, output exactly this many rows and skip the host sync.
@@ -320,12 +333,11 @@ class Buffer:
         config = config or self.get_dispatch_config(self.group_size)
         data, scales = checks.split_x(x, self.device)
         num_tokens, hidden = data.shape
-        require(num_tokens_per_rdma_rank is None,
-                "num_tokens_per_rdma_rank must be None: all ranks of this Buffer are in one node")
         require(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0,
                 f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
         require(isinstance(expert_alignment, int) and expert_alignment >= 1,
                 f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        self._check_tokens_per_node(num_tokens_per_rdma_rank, cached=handle is not None)
         if handle is not None:
             self._check_handle(handle)
             require(topk_idx is None and topk_weights is None and num_tokens_per_rank is None
@@ -631,6 +643,27 @@ class Buffer:
         require(handle.buffer_id == self.buffer_id,  # type: ignore[union-attr]
                 "this handle was made by another Buffer; pass it only to the Buffer that dispatched")
 
+    def _check_tokens_per_node(self, num_tokens_per_rdma_rank: torch.Tensor | None, cached: bool) -> None:
+        """dispatch's ``num_tokens_per_rdma_rank``: int32 [num_nodes] for a fresh dispatch over
+        several nodes, else None. The collective backend does not need the counts (it sends by
+        is_token_in_rank); they are checked so that code written for DeepEP's internode path
+        runs unchanged here and on the backend that will use them."""
+        if self.num_nodes == 1:
+            require(num_tokens_per_rdma_rank is None,
+                    f"num_tokens_per_rdma_rank must be None: all {self.group_size} ranks of this Buffer are in "
+                    f"one node")
+        elif cached:
+            require(num_tokens_per_rdma_rank is None,
+                    "num_tokens_per_rdma_rank must be None in cached dispatch (handle given): the handle "
+                    "holds the layout")
+        else:
+            require(num_tokens_per_rdma_rank is not None,
+                    f"dispatch without a handle needs num_tokens_per_rdma_rank (from get_dispatch_layout): "
+                    f"this Buffer's {self.group_size} ranks span {self.num_nodes} nodes of "
+                    f"{self.ranks_per_node}")
+            checks.check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
+                                shape=(self.num_nodes,), device=self.device)
+
     def _check_low_latency_size(self, T: int, hidden: int, num_experts: int) -> None:
         if (T, hidden, num_experts) in self._low_latency_sizes_checked:
             return
@@ -726,6 +759,16 @@ def _check_backend_options(kind: str, group_backend: str, low_latency_mode: bool
                 f"use_fabric=True: torch symmetric memory does not allocate with CUDA fabric handles on {device} "
                 f"(it uses them by itself only where the GPU and driver support fabric memory, e.g. multi-node "
                 f"NVLink systems with IMEX; never under the Triton interpreter); use use_fabric=False")
+
+
+def _check_node_split(kind: str, num_nodes: int, ranks_per_node: int) -> None:
+    """Raise if the chosen backend cannot serve a group that spans ``num_nodes`` nodes. Local:
+    runs before any allocation or communication."""
+    if kind == "nvlink" and num_nodes > 1:
+        raise InputError(f"the group spans {num_nodes} nodes of {ranks_per_node} ranks "
+                         f"({topology.GPUS_PER_NODE_VARIABLE} or DeepEP's nodes of 8): the NVLink backend works "
+                         f"inside one node and the internode (NVSHMEM) backend is not built yet; the CPU "
+                         f"backend (gloo groups, or TRITONEP_BACKEND=collective) models node splits")
 
 
 def _make_backend(buffer: Buffer, kind: str) -> Backend:

@@ -33,6 +33,17 @@ def dispatch_layout(
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
+def tokens_per_node(is_token_in_rank: torch.Tensor, ranks_per_node: int) -> torch.Tensor:
+    """DeepEP's ``num_tokens_per_rdma_rank``: int32 [nodes], the tokens that go to at least one
+    rank of each node (node n = ranks n * ranks_per_node ..), a token counted once per node.
+
+    ``is_token_in_rank``: [N, R] bool with R a multiple of ``ranks_per_node``. No host sync.
+    """
+    num_tokens, num_ranks = is_token_in_rank.shape
+    in_node = is_token_in_rank.reshape(num_tokens, num_ranks // ranks_per_node, ranks_per_node).any(dim=2)
+    return in_node.sum(0, dtype=torch.int32)
+
+
 def to_local_expert_ids(topk_idx: torch.Tensor, rank: int, experts_per_rank: int) -> torch.Tensor:
     """Global expert ids -> ids local to ``rank``; -1 where the expert lives elsewhere."""
     local = topk_idx - rank * experts_per_rank

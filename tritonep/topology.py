@@ -1,0 +1,42 @@
+"""How a group's ranks split into nodes.
+
+Ranks ``n * g .. n * g + g - 1`` form node ``n``, where g (ranks per node) is
+``TRITONEP_GPUS_PER_NODE`` if set, else DeepEP's rule: a group of up to 8 ranks is one node,
+a larger one spans nodes of 8 GPUs (DeepEP's ``num_rdma_ranks = R / 8``). The variable lets the
+tests simulate nodes inside one host; on a real cluster it states the node size instead of
+assuming 8. Local: no communication, so a Buffer knows its split before it talks to anyone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .checks import InputError
+
+GPUS_PER_NODE_VARIABLE = "TRITONEP_GPUS_PER_NODE"
+DEEP_EP_NVLINK_PEERS = 8   # DeepEP's NUM_MAX_NVL_PEERS: ranks that share a node's NVLink domain
+
+
+def ranks_per_node(num_ranks: int) -> int:
+    """Ranks in each node of a group of ``num_ranks`` ranks (see module doc); InputError if
+    the ranks do not split into whole nodes."""
+    setting = os.environ.get(GPUS_PER_NODE_VARIABLE, "")
+    if setting:
+        try:
+            per_node = int(setting)
+        except ValueError:
+            per_node = 0
+        if per_node <= 0 or num_ranks % per_node:
+            raise InputError(f"{GPUS_PER_NODE_VARIABLE}={setting!r} must be a positive int that divides the "
+                             f"group's {num_ranks} ranks into whole nodes")
+        return per_node
+    if num_ranks > DEEP_EP_NVLINK_PEERS and num_ranks % DEEP_EP_NVLINK_PEERS:
+        raise InputError(f"a group of {num_ranks} ranks spans nodes of {DEEP_EP_NVLINK_PEERS} GPUs (DeepEP's "
+                         f"layout) but {num_ranks} is not a multiple of {DEEP_EP_NVLINK_PEERS}; set "
+                         f"{GPUS_PER_NODE_VARIABLE} to the real number of ranks per node")
+    return min(num_ranks, DEEP_EP_NVLINK_PEERS)
+
+
+def num_nodes(num_ranks: int) -> int:
+    """Nodes a group of ``num_ranks`` ranks spans."""
+    return num_ranks // ranks_per_node(num_ranks)
