@@ -283,10 +283,12 @@ def test_ranks_per_node_default(monkeypatch: pytest.MonkeyPatch, num_ranks: int,
     assert topology.num_nodes(num_ranks) == num_ranks // expected
 
 
-def test_ranks_per_node_default_needs_whole_nodes_of_8(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("num_ranks", [3, 12, 20])
+def test_ranks_per_node_default_other_sizes_are_one_node(monkeypatch: pytest.MonkeyPatch, num_ranks: int) -> None:
+    """Sizes that are not whole nodes of 8 (any rank count works on CPU ranks) are one node."""
     monkeypatch.delenv(topology.GPUS_PER_NODE_VARIABLE, raising=False)
-    with pytest.raises(InputError, match=r"12 ranks.*multiple of 8.*TRITONEP_GPUS_PER_NODE"):
-        topology.ranks_per_node(12)
+    assert topology.ranks_per_node(num_ranks) == num_ranks
+    assert topology.num_nodes(num_ranks) == 1
 
 
 @pytest.mark.parametrize("setting", ["0", "-2", "5", "two"])

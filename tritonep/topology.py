@@ -2,9 +2,11 @@
 
 Ranks ``n * g .. n * g + g - 1`` form node ``n``, where g (ranks per node) is
 ``TRITONEP_GPUS_PER_NODE`` if set, else DeepEP's rule: a group of up to 8 ranks is one node,
-a larger one spans nodes of 8 GPUs (DeepEP's ``num_rdma_ranks = R / 8``). The variable lets the
-tests simulate nodes inside one host; on a real cluster it states the node size instead of
-assuming 8. Local: no communication, so a Buffer knows its split before it talks to anyone.
+a larger multiple of 8 spans nodes of 8 GPUs (DeepEP's ``num_rdma_ranks = R / 8``). Any other
+size (12 CPU ranks, say: DeepEP refuses it, tritonep's CPU backend takes any rank count) is one
+node unless the variable says otherwise. The variable lets the tests simulate nodes inside one
+host; on a real cluster it states the node size instead of assuming 8. Local: no
+communication, so a Buffer knows its split before it talks to anyone.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ DEEP_EP_NVLINK_PEERS = 8   # DeepEP's NUM_MAX_NVL_PEERS: ranks that share a node
 
 def ranks_per_node(num_ranks: int) -> int:
     """Ranks in each node of a group of ``num_ranks`` ranks (see module doc); InputError if
-    the ranks do not split into whole nodes."""
+    ``TRITONEP_GPUS_PER_NODE`` does not split them into whole nodes."""
     setting = os.environ.get(GPUS_PER_NODE_VARIABLE, "")
     if setting:
         try:
@@ -30,11 +32,9 @@ def ranks_per_node(num_ranks: int) -> int:
             raise InputError(f"{GPUS_PER_NODE_VARIABLE}={setting!r} must be a positive int that divides the "
                              f"group's {num_ranks} ranks into whole nodes")
         return per_node
-    if num_ranks > DEEP_EP_NVLINK_PEERS and num_ranks % DEEP_EP_NVLINK_PEERS:
-        raise InputError(f"a group of {num_ranks} ranks spans nodes of {DEEP_EP_NVLINK_PEERS} GPUs (DeepEP's "
-                         f"layout) but {num_ranks} is not a multiple of {DEEP_EP_NVLINK_PEERS}; set "
-                         f"{GPUS_PER_NODE_VARIABLE} to the real number of ranks per node")
-    return min(num_ranks, DEEP_EP_NVLINK_PEERS)
+    if num_ranks % DEEP_EP_NVLINK_PEERS:
+        return num_ranks
+    return DEEP_EP_NVLINK_PEERS
 
 
 def num_nodes(num_ranks: int) -> int:
