@@ -25,7 +25,7 @@ from nvlink_cases import make_buffer
 from torch_defaults import pool_options
 
 import tritonep as deep_ep
-from tritonep import buffer as buffer_module
+from tritonep import backend_choice
 from tritonep.launch import RankPool
 
 V1_PARAMETERS = [("group", inspect.Parameter.empty), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
@@ -343,6 +343,6 @@ def test_nvlink_backend_options(interpreter_pools) -> None:
 def test_collective_backend_on_nccl_refuses_no_nvlink_in_low_latency_mode() -> None:
     """No NCCL here: the check itself (it runs before the backend is made)."""
     with pytest.raises(deep_ep.InputError, match="lets NCCL choose its transport"):
-        buffer_module._check_backend_options("collective", "nccl", True, False, False)
-    buffer_module._check_backend_options("collective", "nccl", False, False, True)   # normal mode: ignored
-    buffer_module._check_backend_options("collective", "gloo", True, False, True)    # gloo: no NVLink at all
+        backend_choice.check_backend_options("collective", "nccl", True, False, False)
+    backend_choice.check_backend_options("collective", "nccl", False, False, True)   # normal mode: ignored
+    backend_choice.check_backend_options("collective", "gloo", True, False, True)    # gloo: no NVLink at all

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from . import checks, routing, topology
+from .backend_choice import backend_kind, byte_count, check_backend_options, check_node_split, is_int, make_backend
 from .backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
 from .backends.nvlink.low_latency_layout import LowLatencyRegions
-from .checks import InputError, require
+from .checks import require
 from .config import Config
 from .event import EventOverlap, capture_event
 from .groups import backend_for_comm, check_comm, group_from_comm
@@ -129,11 +128,11 @@ class Buffer:
         enable_shrink: bool = False,
         comm: Any | None = None,
     ) -> None:
-        num_nvl_bytes = _byte_count("num_nvl_bytes", num_nvl_bytes)
-        num_rdma_bytes = _byte_count("num_rdma_bytes", num_rdma_bytes)
+        num_nvl_bytes = byte_count("num_nvl_bytes", num_nvl_bytes)
+        num_rdma_bytes = byte_count("num_rdma_bytes", num_rdma_bytes)
         if low_latency_mode:
             # DeepEP asserts this whenever it sets up RDMA, which low-latency mode always does.
-            require(_is_int(num_qps_per_rank) and num_qps_per_rank > 0,
+            require(is_int(num_qps_per_rank) and num_qps_per_rank > 0,
                     f"num_qps_per_rank must be a positive int in low-latency mode, got {num_qps_per_rank!r}")
         if group is None:
             require(comm is not None, "Buffer needs group (a torch.distributed ProcessGroup) or, with group=None, "
@@ -146,12 +145,12 @@ class Buffer:
                     + ("; pass an mpi4py communicator as comm=... with group=None" if hasattr(group, "Get_rank")
                        else ""))
             group_backend = dist.get_backend(group)
-        kind = _backend_kind(group_backend)
-        _check_backend_options(kind, group_backend, low_latency_mode, allow_nvlink_for_low_latency_mode, use_fabric)
+        kind = backend_kind(group_backend)
+        check_backend_options(kind, group_backend, low_latency_mode, allow_nvlink_for_low_latency_mode, use_fabric)
         num_ranks = group.size() if group is not None else int(comm.Get_size())
         self.ranks_per_node = topology.ranks_per_node(num_ranks)
         self.num_nodes = num_ranks // self.ranks_per_node
-        _check_node_split(kind, self.num_nodes, self.ranks_per_node)
+        check_node_split(kind, self.num_nodes, self.ranks_per_node)
         if group is None:
             group = group_from_comm(comm)   # the first communication
         self.group = group
@@ -169,7 +168,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._low_latency_sizes_checked: set[tuple[int, int, int]] = set()
         self.buffer_id = next(_buffer_ids)
-        self.backend: Backend = _make_backend(self, kind)
+        self.backend: Backend = make_backend(self, kind)
         self.device = self.backend.device
         if enable_shrink:
             self.backend.rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
@@ -706,79 +705,3 @@ class Buffer:
             round_scale=round_scale, use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=recv_stats,
             dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook)
 
-
-def _is_int(value: object) -> bool:
-    """Python and numpy integers (anything ``operator.index`` takes), not bools."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
-
-
-def _byte_count(name: str, value: object) -> int:
-    require(_is_int(value), f"{name} must be an int, got {value!r}")
-    count = operator.index(value)  # type: ignore[arg-type]
-    require(count >= 0, f"buffer sizes must be >= 0, got {name}={count}")
-    return count
-
-
-def _backend_kind(group_backend: str) -> str:
-    """"collective" or "nvlink" for a group of this torch.distributed backend: gloo -> the
-    collective (CPU) backend; NCCL -> the NVLink backend.
-
-    ``TRITONEP_BACKEND=collective`` forces the collective backend on any group (NCCL included),
-    which is what the benchmark's all_to_all_single baseline uses; ``=nvlink`` the NVLink backend
-    (on gloo groups under ``TRITON_INTERPRET=1``, how the CPU tests run its kernels).
-    """
-    choice = os.environ.get("TRITONEP_BACKEND", "auto")
-    if choice == "collective" or (choice == "auto" and group_backend != "nccl"):
-        return "collective"
-    return "nvlink"
-
-
-def _check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
-                           allow_nvlink_for_low_latency_mode: bool, use_fabric: bool) -> None:
-    """Raise for DeepEP options that ask for something the chosen backend cannot do (the table
-    in docs/ARCHITECTURE.md); options that mean nothing to it are accepted. Local: no communication."""
-    if low_latency_mode and not allow_nvlink_for_low_latency_mode:
-        if kind == "nvlink":
-            raise InputError("allow_nvlink_for_low_latency_mode=False: the NVLink backend moves low-latency traffic "
-                             "over NVLink only and has no other path; leave it True")
-        if group_backend == "nccl":
-            raise InputError("allow_nvlink_for_low_latency_mode=False: the collective backend on an NCCL group lets "
-                             "NCCL choose its transport, which is NVLink inside a node; leave it True")
-    if use_fabric and kind == "nvlink":
-        from .backends.nvlink.memory import fabric_memory_available
-        from .backends.nvlink.sync import INTERPRET
-
-        device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
-        require(fabric_memory_available(device),
-                f"use_fabric=True: torch symmetric memory does not allocate with CUDA fabric handles on {device} "
-                f"(it uses them by itself only where the GPU and driver support fabric memory, e.g. multi-node "
-                f"NVLink systems with IMEX; never under the Triton interpreter); use use_fabric=False")
-
-
-def _check_node_split(kind: str, num_nodes: int, ranks_per_node: int) -> None:
-    """Raise if the chosen backend cannot serve a group that spans ``num_nodes`` nodes. Local:
-    runs before any allocation or communication."""
-    if kind == "nvlink" and num_nodes > 1:
-        raise InputError(f"the group spans {num_nodes} nodes of {ranks_per_node} ranks "
-                         f"({topology.GPUS_PER_NODE_VARIABLE} or DeepEP's nodes of 8): the NVLink backend works "
-                         f"inside one node and the internode (NVSHMEM) backend is not built yet; the CPU "
-                         f"backend (gloo groups, or TRITONEP_BACKEND=collective) models node splits")
-
-
-def _make_backend(buffer: Buffer, kind: str) -> Backend:
-    """The backend ``_backend_kind`` chose, over ``buffer.group``."""
-    if kind == "collective":
-        from .backends.collective import CollectiveBackend
-
-        return CollectiveBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
-                                 buffer.low_latency_mode)
-    from .backends.nvlink import NvlinkBackend
-
-    return NvlinkBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
-                         buffer.low_latency_mode)

@@ -1,0 +1,99 @@
+"""Which backend a Buffer gets, and what DeepEP V1's constructor options mean to it.
+
+``Buffer.__init__`` calls these before any communication: a group of the gloo backend gets the
+collective (CPU) backend, an NCCL group the NVLink backend (``TRITONEP_BACKEND`` overrides);
+options a backend cannot honour raise here (the table in docs/ARCHITECTURE.md), options that
+mean nothing to it are accepted.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import topology
+from .backends.base import Backend
+from .checks import InputError, require
+
+if TYPE_CHECKING:
+    from .buffer import Buffer
+
+
+def is_int(value: object) -> bool:
+    """Python and numpy integers (anything ``operator.index`` takes), not bools."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def byte_count(name: str, value: object) -> int:
+    require(is_int(value), f"{name} must be an int, got {value!r}")
+    count = operator.index(value)  # type: ignore[arg-type]
+    require(count >= 0, f"buffer sizes must be >= 0, got {name}={count}")
+    return count
+
+
+def backend_kind(group_backend: str) -> str:
+    """"collective" or "nvlink" for a group of this torch.distributed backend: gloo -> the
+    collective (CPU) backend; NCCL -> the NVLink backend.
+
+    ``TRITONEP_BACKEND=collective`` forces the collective backend on any group (NCCL included),
+    which is what the benchmark's all_to_all_single baseline uses; ``=nvlink`` the NVLink backend
+    (on gloo groups under ``TRITON_INTERPRET=1``, how the CPU tests run its kernels).
+    """
+    choice = os.environ.get("TRITONEP_BACKEND", "auto")
+    if choice == "collective" or (choice == "auto" and group_backend != "nccl"):
+        return "collective"
+    return "nvlink"
+
+
+def check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
+                           allow_nvlink_for_low_latency_mode: bool, use_fabric: bool) -> None:
+    """Raise for DeepEP options that ask for something the chosen backend cannot do (the table
+    in docs/ARCHITECTURE.md); options that mean nothing to it are accepted. Local: no communication."""
+    if low_latency_mode and not allow_nvlink_for_low_latency_mode:
+        if kind == "nvlink":
+            raise InputError("allow_nvlink_for_low_latency_mode=False: the NVLink backend moves low-latency traffic "
+                             "over NVLink only and has no other path; leave it True")
+        if group_backend == "nccl":
+            raise InputError("allow_nvlink_for_low_latency_mode=False: the collective backend on an NCCL group lets "
+                             "NCCL choose its transport, which is NVLink inside a node; leave it True")
+    if use_fabric and kind == "nvlink":
+        from .backends.nvlink.memory import fabric_memory_available
+        from .backends.nvlink.sync import INTERPRET
+
+        device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
+        require(fabric_memory_available(device),
+                f"use_fabric=True: torch symmetric memory does not allocate with CUDA fabric handles on {device} "
+                f"(it uses them by itself only where the GPU and driver support fabric memory, e.g. multi-node "
+                f"NVLink systems with IMEX; never under the Triton interpreter); use use_fabric=False")
+
+
+def check_node_split(kind: str, num_nodes: int, ranks_per_node: int) -> None:
+    """Raise if the chosen backend cannot serve a group that spans ``num_nodes`` nodes. Local:
+    runs before any allocation or communication."""
+    if kind == "nvlink" and num_nodes > 1:
+        raise InputError(f"the group spans {num_nodes} nodes of {ranks_per_node} ranks "
+                         f"({topology.GPUS_PER_NODE_VARIABLE} or DeepEP's nodes of 8): the NVLink backend works "
+                         f"inside one node and the internode (NVSHMEM) backend is not built yet; the CPU "
+                         f"backend (gloo groups, or TRITONEP_BACKEND=collective) models node splits")
+
+
+def make_backend(buffer: Buffer, kind: str) -> Backend:
+    """The backend ``backend_kind`` chose, over ``buffer.group``."""
+    if kind == "collective":
+        from .backends.collective import CollectiveBackend
+
+        return CollectiveBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
+                                 buffer.low_latency_mode)
+    from .backends.nvlink import NvlinkBackend
+
+    return NvlinkBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
+                         buffer.low_latency_mode)
