@@ -4,8 +4,9 @@ Two ways to run the same kernels:
 * ``interpreter`` (CI, CPU only): Triton's interpreter on CPU ranks whose "symmetric memory"
   is a shared /dev/shm file per rank. Small sizes; covers the kernels' indexing and the
   signalling protocol (flags written by one process, waited on by another).
-* ``gpu`` (marked ``gpu``; run on the device machine by scripts/gpu_check.sh): 2 GPUs over
-  NVLink, the sizes and the 100+-case race loop the issue asks for.
+* ``gpu`` (marked ``gpu``; run on the device machine by scripts/gpu_check.sh): every GPU of the
+  machine, one rank each (one GPU is enough: the kernels then send every row to themselves),
+  the sizes and the 100+-case race loop the issue asks for.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from nvlink_cases import Case, compare_case, invalid_expert_id_error, low_latency_only_buffer, padding_overflow_error
 from torch_defaults import pool_options
 
@@ -67,9 +69,19 @@ def test_interpreter_low_latency_only_buffer(interpreter_pools) -> None:
 # ------------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def gpu_pool():
-    pool = RankPool(2, use_gpu=True, timeout=600, **pool_options(use_gpu=True))
+    pool = RankPool(torch.cuda.device_count(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
     yield pool
     pool.close()
+
+
+def _tokens(pool: RankPool, first: int, second: int) -> tuple[int, ...]:
+    """Token counts per rank: ``first`` on rank 0, then alternately ``second`` and ``first``."""
+    return tuple(first if rank % 2 == 0 else second for rank in range(pool.num_ranks))
+
+
+def _experts(pool: RankPool, num_experts: int) -> int:
+    """``num_experts`` rounded down to a multiple of the rank count (3 or 6 ranks included)."""
+    return num_experts - num_experts % pool.num_ranks
 
 
 GPU_SIZES = [0, 1, 127, 4096, 8192]
@@ -77,19 +89,20 @@ GPU_HIDDEN = [2048, 4096, 7168]
 GPU_VARIANTS = ["fp8", "worst", "bias", "skewed", "one_rank", "none", "align"]
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("tokens", GPU_SIZES)
 @pytest.mark.parametrize("hidden", GPU_HIDDEN)
 def test_gpu_matches_cpu_backend(gpu_pool, tokens: int, hidden: int) -> None:
-    case = Case(seed=tokens + hidden, tokens=(tokens, max(tokens - 3, 0)), hidden=hidden, num_experts=256,
-                num_topk=8, num_sms=24)
+    case = Case(seed=tokens + hidden, tokens=_tokens(gpu_pool, tokens, max(tokens - 3, 0)), hidden=hidden,
+                num_experts=_experts(gpu_pool, 256), num_topk=8, num_sms=24)
     _check(gpu_pool, case, nvl_bytes=1 << 30)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("variant", GPU_VARIANTS)
 def test_gpu_variants(gpu_pool, variant: str) -> None:
-    case = Case(seed=GPU_VARIANTS.index(variant), tokens=(1000, 777), hidden=4096, num_experts=64, num_topk=6,
+    case = Case(seed=GPU_VARIANTS.index(variant), tokens=_tokens(gpu_pool, 1000, 777), hidden=4096,
+                num_experts=_experts(gpu_pool, 64), num_topk=6,
                 num_sms=16,
                 fp8=variant == "fp8", num_worst_tokens=4096 if variant == "worst" else 0, bias=variant == "bias",
                 routing=variant if variant in ("skewed", "one_rank", "none") else "random",
@@ -97,29 +110,30 @@ def test_gpu_variants(gpu_pool, variant: str) -> None:
     _check(gpu_pool, case, nvl_bytes=1 << 30)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_race_loop(gpu_pool) -> None:
     """120 random cases back to back (random sizes, hidden, routing, SM counts) to shake out races."""
     rng = random.Random(0)
     for i in range(120):
-        case = Case(seed=10_000 + i, tokens=(rng.choice([0, 1, 5, 300, 2000]), rng.choice([1, 64, 1500])),
-                    hidden=rng.choice([2048, 4096, 7168]), num_experts=rng.choice([16, 64, 256]),
+        case = Case(seed=10_000 + i, tokens=tuple(rng.choice([0, 1, 5, 64, 300, 1500, 2000])
+                                                  for _ in range(gpu_pool.num_ranks)),
+                    hidden=rng.choice([2048, 4096, 7168]), num_experts=_experts(gpu_pool, rng.choice([16, 64, 256])),
                     num_topk=rng.choice([1, 4, 8]), fp8=rng.random() < 0.3, bias=rng.random() < 0.3,
                     routing=rng.choice(["random", "random", "skewed", "one_rank"]),
                     num_sms=rng.choice([2, 8, 24, 64]))
         _check(gpu_pool, case, nvl_bytes=1 << 30)
 
 
-
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_invalid_expert_id_raises_on_every_rank(gpu_pool) -> None:
     messages = gpu_pool.run(invalid_expert_id_error)
     assert all("outside [-1, num_experts)" in m for m in messages), messages
     # The buffer stays usable after the refused call.
-    _check(gpu_pool, Case(seed=99, tokens=(100, 50), hidden=2048, num_experts=16, num_topk=4), nvl_bytes=1 << 30)
+    _check(gpu_pool, Case(seed=99, tokens=_tokens(gpu_pool, 100, 50), hidden=2048,
+                          num_experts=_experts(gpu_pool, 16), num_topk=4), nvl_bytes=1 << 30)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_low_latency_only_buffer(gpu_pool) -> None:
     results = gpu_pool.run(low_latency_only_buffer)
     assert all(ok for ok, _ in results), results

@@ -144,7 +144,7 @@ def _tokens(pool: RankPool, first: int, others: int) -> tuple[int, ...]:
     return (first,) + (others,) * (pool.num_ranks - 1)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("use_fp8,round_scale,use_ue8m0", [(True, False, False), (True, True, False),
                                                            (True, True, True), (False, False, False)])
 @pytest.mark.parametrize("hook", [False, True])
@@ -155,7 +155,7 @@ def test_gpu_benchmark_shape(gpu_pool, use_fp8: bool, round_scale: bool, use_ue8
                                     use_ue8m0=use_ue8m0, hook=hook, calls=2))
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("variant", ["zero_copy", "out", "fewer_tokens", "skewed", "one_expert", "none", "topk11"])
 def test_gpu_variants(gpu_pool, variant: str) -> None:
     _check(gpu_pool, LowLatencyCase(
@@ -165,7 +165,7 @@ def test_gpu_variants(gpu_pool, variant: str) -> None:
         routing=variant if variant in ("skewed", "one_expert", "none") else "random", calls=2))
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_race_loop(gpu_pool) -> None:
     """40 random cases back to back (sizes, options, hooks) to shake out races between slots."""
     rng = random.Random(1)
@@ -182,19 +182,19 @@ def test_gpu_race_loop(gpu_pool) -> None:
         _check(gpu_pool, case)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_second_pending_send_raises(gpu_pool) -> None:
     messages = gpu_pool.run(second_pending_send_error)
     assert all("one pending receive hook" in m and "already called" in m for m in messages), messages
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_cuda_graph_replay(gpu_pool) -> None:
     problems = gpu_pool.run(graph_replay, 13)
     assert all(not p for p in problems), problems
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("variant", ["drop_last", "drop_first_hook", "change_before_combine", "self"])
 def test_gpu_masks(gpu_pool, variant: str) -> None:
     """Shrink mode on GPUs, against the CPU backend: DeepEP's shapes, several rounds."""
@@ -224,7 +224,7 @@ def test_gpu_masked_rank_that_makes_no_calls(gpu_pool) -> None:
     assert all(not p for p in problems), problems
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_masked_cuda_graph_replay(gpu_pool) -> None:
     """Mask updates, dispatch and combine captured in one CUDA graph and replayed."""
     problems = gpu_pool.run(graph_replay, 17, masked=True)
