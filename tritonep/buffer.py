@@ -600,7 +600,9 @@ class Buffer:
                 and 0 <= rank_to_mask < self.group_size,
                 f"rank_to_mask must be an int in [0, {self.group_size}), got {rank_to_mask!r}")
         require(isinstance(mask, int), f"mask must be a bool, got {type(mask).__name__}")
-        rank_mask[rank_to_mask] = 1 if mask else 0
+        # fill_ passes the value as a kernel argument; an indexed assignment would copy a host
+        # scalar to the device, which CUDA-graph capture refuses.
+        rank_mask.narrow(0, rank_to_mask, 1).fill_(1 if mask else 0)
 
     @_without_torch_function
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
