@@ -179,6 +179,7 @@ def test_gpu_race_loop(gpu_pool) -> None:
             hook=rng.random() < 0.5, zero_copy=rng.random() < 0.3,
             routing=rng.choice(["random", "random", "skewed", "one_expert"]), calls=2)
         case.use_ue8m0 = case.round_scale and rng.random() < 0.5
+        case.num_topk = min(case.num_topk, case.num_experts)   # one rank: 4 experts, top-8 impossible
         _check(gpu_pool, case)
 
 
