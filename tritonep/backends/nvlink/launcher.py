@@ -9,14 +9,10 @@ which pointers are 16-byte aligned, and for integers whether they need 64 bits a
 the kernel lists them in ``do_not_specialize``, whether they equal 1 or divide by 16. A key
 seen for the first time goes through ``kernel[grid]`` (which compiles only if Triton's own
 cache misses). Under the interpreter it is a plain ``kernel[grid](...)``.
-
-Use it with Triton's syntax, ``launcher[(programs,)](*args, NAME=value, ..., num_warps=w)``:
-runtime arguments positionally, in the kernel's order, then the constexprs by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,11 +36,6 @@ class FastLauncher:
         # (The interpreter's functions have no params; they never reach the fast path.)
         self.specialised = [not param.do_not_specialize for param in getattr(kernel, "params", ())]
         self.compiled: dict[tuple, Any] = {}
-
-    def __getitem__(self, grid: tuple[int]) -> Callable[..., None]:
-        def launch(*args: Any, num_warps: int = 4, **constants: Any) -> None:
-            self(grid[0], args, constants, num_warps)
-        return launch
 
     def __call__(self, grid: int, args: tuple, constants: dict[str, Any], num_warps: int) -> None:
         """``args``: the non-constexpr arguments in order; ``constants``: the constexprs by name."""
