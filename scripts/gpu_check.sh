@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|ll|compat]
+#   bash scripts/gpu_check.sh [quick|full|ll|compat|shared]
 #     quick: a subset of the GPU tests, no benchmark sweep; ll: the low-latency tests and
 #     benchmark only; compat: the DeepEP compatibility tests and the host-path probe (plain and
-#     under DeepEP's torch defaults), which also run on a machine with one GPU.
+#     under DeepEP's torch defaults), which also run on a machine with one GPU; shared: the GPU
+#     tests at SHARED_RANKS ranks (default "2 4") on however many GPUs there are, ranks sharing
+#     GPUs (correctness across processes, not speed; see tritonep/launch.py).
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -61,6 +63,18 @@ PYEOF
     echo "== host path probe $defaults"
     timeout 240 python3 scripts/host_path_probe.py $defaults --json "$OUT/host_path${defaults:+_defaults}.json" \
       2>&1 | grep -v Warning | tee -a "$OUT/host_path.log" | tail -45
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  exit $status
+fi
+
+if [ "$MODE" = shared ]; then
+  for ranks in ${SHARED_RANKS:-2 4}; do
+    echo "== GPU tests at $ranks ranks on $(nvidia-smi -L | wc -l) GPU(s), DeepEP's torch defaults"
+    TRITONEP_GPU_RANKS=$ranks TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
+      timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -rf ${SHARED_TESTS:-tests/test_nvlink.py \
+      tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py tests/test_deep_ep_compat_low_latency.py} \
+      -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_shared_$ranks.log" | tail -12
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   exit $status

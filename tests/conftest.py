@@ -15,6 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from tritonep.launch import gpu_ranks
+
 # CI runs on 2 CPU cores: keep property tests modest, and no per-example deadline because a
 # multi-process test's first example also pays for process start-up and warm caches.
 settings.register_profile("ci", max_examples=25, deadline=None,
@@ -46,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # of spawned rank processes.
     # A test that sizes its group from the machine may say it runs on one GPU too:
     # @pytest.mark.gpu(min_gpus=1); the rest need two.
-    num_gpus = torch.cuda.device_count()
+    num_gpus = gpu_ranks() if torch.cuda.device_count() else 0
     for item in items:
         marker = item.get_closest_marker("gpu")
         if marker is None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from collective_inputs import random_routing
 
 import tritonep as deep_ep
-from tritonep.launch import RankPool
+from tritonep.launch import RankPool, gpu_ranks, group_on_gpu
 
 SEED = 5
 INT32_MASK = (1 << 32) - 1
@@ -66,7 +66,7 @@ RANK_PARAMS = [pytest.param(2, id="cpu2"), pytest.param(3, id="cpu3"),
 def ranks_for(param: int) -> Iterator[Ranks]:
     """The body of a module's ``ranks`` fixture (params ``RANK_PARAMS``)."""
     if param == 0:
-        pool, problem = RankPool(torch.cuda.device_count(), use_gpu=True, timeout=600), GPU_PROBLEM
+        pool, problem = RankPool(gpu_ranks(), use_gpu=True, timeout=600), GPU_PROBLEM
     else:
         pool, problem = RankPool(param, timeout=120), CPU_PROBLEM
     with pool:
@@ -77,7 +77,7 @@ def as_deepep_user(group: dist.ProcessGroup, case: Callable[..., Any], problem: 
     """Run ``case`` under a DeepEP caller's torch defaults, then put the defaults back."""
     dtype, device, num_sms = torch.get_default_dtype(), torch.get_default_device(), deep_ep.Buffer.num_sms
     torch.set_default_dtype(torch.bfloat16)
-    if dist.get_backend(group) == "nccl":
+    if group_on_gpu(group):
         torch.set_default_device("cuda")
     try:
         return case(group, problem, *args)

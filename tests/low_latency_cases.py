@@ -306,3 +306,56 @@ def stalled_peer_error(group: dist.ProcessGroup) -> str:
             message = str(error)
     dist.barrier(group=group)
     return message
+
+
+# Two micro-batches in flight, as serving stacks overlap them: every send with a receive hook,
+# the eight steps in different orders. "D0" sends batch 0's dispatch, "d0" runs its hook; "C0"
+# and "c0" the same for its combine. A combine needs its dispatch received (d before C).
+SCHEDULES = {
+    "forward": "D0 D1 d0 d1 C0 C1 c0 c1",
+    "reverse": "D0 D1 d1 d0 C0 C1 c1 c0",
+    "interleaved": "D0 D1 d0 C0 d1 C1 c1 c0",
+    "pipelined": "D0 d0 D1 C0 d1 c0 C1 c1",
+}
+
+
+def two_micro_batches(group: dist.ProcessGroup, case: LowLatencyCase, schedule: str) -> list[str]:
+    """Run two micro-batches on the NVLink backend in the order ``SCHEDULES[schedule]``, then
+    each one alone on the CPU backend: dispatch outputs and combined rows must agree."""
+    rank = group.rank()
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(), case.num_experts)
+    nvlink, cpu = buffers(group, rdma_bytes)
+    device = nvlink.device
+    batches = [make_inputs(case, rank, index) for index in range(2)]
+    options = dict(use_fp8=case.use_fp8, round_scale=case.round_scale, use_ue8m0=case.use_ue8m0)
+    dispatched: dict = {}
+    combined: dict = {}
+    hooks: dict = {}
+    for step in SCHEDULES[schedule].split():
+        kind, index = step[0], int(step[1])
+        x, topk_idx, weights = (t.to(device) for t in batches[index])
+        if kind == "D":
+            packed, count, handle, _, hooks[step] = nvlink.low_latency_dispatch(
+                x, topk_idx, case.T, case.num_experts, return_recv_hook=True, **options)
+            dispatched[index] = (packed, count, handle)
+        elif kind == "C":
+            packed, _, handle = dispatched[index]
+            combined[index], _, hooks[step] = nvlink.low_latency_combine(
+                expert_outputs(packed, case.use_fp8, rank), topk_idx, weights, handle, return_recv_hook=True)
+        else:
+            hooks.pop(step.upper())()
+    problems = []
+    for index, (x, topk_idx, weights) in enumerate(batches):
+        packed, count, handle, _, _ = cpu.low_latency_dispatch(x, topk_idx, case.T, case.num_experts, **options)
+        expected, _, _ = cpu.low_latency_combine(expert_outputs(packed, case.use_fp8, rank), topk_idx, weights,
+                                                 handle)
+        got_packed, got_count, got_handle = dispatched[index]
+        valid = [int(c) for c in count]
+        data, got_data = (packed[0], got_packed[0]) if case.use_fp8 else (packed, got_packed)
+        problems += [f"{schedule}: batch {index} {m}" for m in
+                     _differences("count", got_count.cpu(), count)
+                     + _differences("src_info", got_handle[0].cpu(), handle[0])
+                     + _differences("rows", [got_data[e, :v].cpu() for e, v in enumerate(valid)],
+                                    [data[e, :v] for e, v in enumerate(valid)])
+                     + _differences("combined", combined[index].cpu(), expected)]
+    return problems

@@ -41,12 +41,16 @@ def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | No
                 **kwargs) -> deep_ep.Buffer:
     """A Buffer on ``backend`` (``TRITONEP_BACKEND``), with ``env`` set while it is built."""
     settings = {"TRITONEP_BACKEND": backend, **(env or {})}
+    previous = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
     try:
         return deep_ep.Buffer(group, **kwargs)
     finally:
-        for name in settings:
-            os.environ.pop(name)
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from deep_ep_user import (
     RANK_PARAMS,
     SEED,
@@ -32,7 +31,7 @@ from deep_ep_user import (
 )
 
 import tritonep as deep_ep
-from tritonep.launch import RankFailure
+from tritonep.launch import RankFailure, group_on_gpu
 
 
 @pytest.fixture(scope="module", params=RANK_PARAMS)
@@ -323,7 +322,7 @@ def case_async(group, problem: Problem) -> None:
     """SGLang / Megatron style: previous_event from capture(), async_finish, allocate_on_comm_stream."""
     me, R, num_experts = group.rank(), group.size(), num_experts_of(problem, group.size())
     buffer = normal_buffer(group, problem)
-    if dist.get_backend(group) == "nccl":
+    if group_on_gpu(group):
         assert isinstance(buffer.get_comm_stream(), torch.cuda.Stream)
     x, topk_idx, weights = my_normal_inputs(group, problem)
     previous_event = deep_ep.Buffer.capture()

@@ -26,7 +26,6 @@ from deep_ep_user import (
 )
 
 import tritonep as deep_ep
-from tritonep.launch import RankFailure
 
 
 @pytest.fixture(scope="module", params=RANK_PARAMS)
@@ -454,12 +453,6 @@ def test_low_latency_combine_wait_recv_cost_stats(ranks: Ranks) -> None:
 
 
 def test_low_latency_two_micro_batches(ranks: Ranks) -> None:
-    if ranks.on_gpu:
-        # The NVLink low-latency path allows one pending receive hook per kind for now (issue 11):
-        # the second send must say so clearly. When the limit is lifted this fails: drop the branch.
-        with pytest.raises(RankFailure, match="one pending receive hook per kind"):
-            ranks.run(case_ll_two_micro_batches)
-        return
     ranks.run(case_ll_two_micro_batches)
 
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from nvlink_cases import Case, compare_case, invalid_expert_id_error, low_latency_only_buffer, padding_overflow_error
 from torch_defaults import pool_options
 
-from tritonep.launch import RankPool
+from tritonep.launch import RankPool, gpu_ranks
 
 
 def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22) -> None:
@@ -69,7 +68,7 @@ def test_interpreter_low_latency_only_buffer(interpreter_pools) -> None:
 # ------------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def gpu_pool():
-    pool = RankPool(torch.cuda.device_count(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
+    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
     yield pool
     pool.close()
 

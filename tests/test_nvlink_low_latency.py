@@ -12,16 +12,18 @@ import random
 import pytest
 import torch
 from low_latency_cases import (
+    SCHEDULES,
     LowLatencyCase,
     compare_low_latency,
     graph_replay,
     rejoin_after_clean,
     stalled_peer_error,
     symmetric_masks,
+    two_micro_batches,
 )
 from torch_defaults import pool_options
 
-from tritonep.launch import RankPool
+from tritonep.launch import RankPool, gpu_ranks
 
 
 def _check(pool: RankPool, case: LowLatencyCase) -> None:
@@ -102,9 +104,9 @@ def clean_without(group, case: LowLatencyCase, idle_rank: int) -> None:
         nvlink.clean_low_latency_buffer(case.T, case.hidden, case.num_experts)
 
 
-def second_pending_send_error(group) -> str:
-    """A send awaits its hook; a second send of the same kind raises InputError (the NVLink path
-    allows one pending hook per kind for now), and running a hook twice raises too."""
+def third_pending_send_error(group) -> str:
+    """Two sends await their hooks (both slots); a third send of the same kind would reuse the
+    first one's slot and raises InputError, and running a hook twice raises too."""
     from low_latency_cases import buffers
 
     import tritonep as deep_ep
@@ -113,29 +115,41 @@ def second_pending_send_error(group) -> str:
     nvlink, _ = buffers(group, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, hidden, group.size(), num_experts))
     x = torch.randn(T, hidden, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)
     topk_idx = torch.zeros(T, 1, dtype=torch.int64, device=nvlink.device)
-    hook = nvlink.low_latency_dispatch(x, topk_idx, T, num_experts, return_recv_hook=True)[4]
+    hooks = [nvlink.low_latency_dispatch(x, topk_idx, T, num_experts, return_recv_hook=True)[4] for _ in range(2)]
     message = ""
     try:
         nvlink.low_latency_dispatch(x, topk_idx, T, num_experts, return_recv_hook=True)
     except deep_ep.InputError as error:
         message = str(error)
-    hook()
-    try:
+    for hook in reversed(hooks):
         hook()
+    try:
+        hooks[0]()
     except deep_ep.InputError as error:
         message += " | " + str(error)
     return message
 
 
-def test_interpreter_second_pending_send_raises(interpreter_pools) -> None:
-    messages = interpreter_pools(2).run(second_pending_send_error)
-    assert all("one pending receive hook" in m and "already called" in m for m in messages), messages
+THIRD_SEND_MESSAGES = ("still awaits its receive hook and holds receive slot 0", "already called")
+
+
+def test_interpreter_third_pending_send_raises(interpreter_pools) -> None:
+    messages = interpreter_pools(2).run(third_pending_send_error)
+    assert all(all(part in m for part in THIRD_SEND_MESSAGES) for m in messages), messages
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_interpreter_two_micro_batches(interpreter_pools, schedule: str) -> None:
+    case = LowLatencyCase(seed=11, tokens=(6, 5), T=8, hidden=256, num_experts=8, num_topk=3,
+                          use_fp8=schedule != "forward")
+    problems = interpreter_pools(2).run(two_micro_batches, case, schedule)
+    assert all(not p for p in problems), problems
 
 
 # ------------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module")
 def gpu_pool():
-    pool = RankPool(torch.cuda.device_count(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
+    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
     yield pool
     pool.close()
 
@@ -184,9 +198,21 @@ def test_gpu_race_loop(gpu_pool) -> None:
 
 
 @pytest.mark.gpu(min_gpus=1)
-def test_gpu_second_pending_send_raises(gpu_pool) -> None:
-    messages = gpu_pool.run(second_pending_send_error)
-    assert all("one pending receive hook" in m and "already called" in m for m in messages), messages
+def test_gpu_third_pending_send_raises(gpu_pool) -> None:
+    messages = gpu_pool.run(third_pending_send_error)
+    assert all(all(part in m for part in THIRD_SEND_MESSAGES) for m in messages), messages
+
+
+@pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("use_fp8", [True, False])
+def test_gpu_two_micro_batches(gpu_pool, schedule: str, use_fp8: bool) -> None:
+    """DeepEP's decode shape, two micro-batches in flight, hooks in every order (issue 11)."""
+    R = gpu_pool.num_ranks
+    case = LowLatencyCase(seed=70, tokens=_tokens(gpu_pool, 128, 120), T=128, hidden=7168,
+                          num_experts=288 if 288 % R == 0 else 32 * R, num_topk=8, use_fp8=use_fp8)
+    problems = gpu_pool.run(two_micro_batches, case, schedule)
+    assert all(not p for p in problems), problems
 
 
 @pytest.mark.gpu(min_gpus=1)

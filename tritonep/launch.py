@@ -21,6 +21,24 @@ if TYPE_CHECKING:
     import torch
 
 
+SHARED_GPUS_VARIABLE = "TRITONEP_RANKS_SHARE_GPUS"
+
+
+def gpu_ranks() -> int:
+    """Ranks a GPU run uses: ``TRITONEP_GPU_RANKS`` if set (more ranks than GPUs share them,
+    round robin), else one per GPU."""
+    import torch
+
+    return int(os.environ.get("TRITONEP_GPU_RANKS", torch.cuda.device_count()))
+
+
+def group_on_gpu(group: Any) -> bool:
+    """Whether this rank's process runs on a GPU: an NCCL group, or ranks sharing GPUs (gloo)."""
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "nccl" or os.environ.get(SHARED_GPUS_VARIABLE) == "1"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -38,14 +56,22 @@ def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, defa
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    nccl = False
     if use_gpu:
-        torch.cuda.set_device(rank)
+        num_gpus = torch.cuda.device_count()
+        torch.cuda.set_device(rank % num_gpus)
+        # NCCL refuses two ranks on one GPU: ranks that share GPUs join a gloo group, and the
+        # NVLink backend (which needs no NCCL) is chosen for it explicitly.
+        nccl = num_ranks <= num_gpus
+        if not nccl:
+            os.environ[SHARED_GPUS_VARIABLE] = "1"
+            os.environ.setdefault("TRITONEP_BACKEND", "nvlink")
     dist.init_process_group(
-        backend="nccl" if use_gpu else "gloo",
+        backend="nccl" if nccl else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=num_ranks,
-        **({"device_id": torch.device("cuda", rank)} if use_gpu else {}),
+        **({"device_id": torch.device("cuda", rank)} if nccl else {}),
     )
     group = dist.group.WORLD
     if default_dtype is not None:
@@ -69,7 +95,10 @@ class RankPool:
 
     Arguments:
         num_ranks: R.
-        use_gpu: one GPU per rank with NCCL; otherwise CPU ranks with gloo.
+        use_gpu: rank r on GPU r with NCCL; otherwise CPU ranks with gloo. With more ranks than
+            GPUs, rank r runs on GPU r % G in a gloo group with the NVLink backend
+            (``TRITONEP_BACKEND=nvlink``): a test of correctness across processes, not of speed,
+            since ranks on one GPU time-share it.
         timeout: seconds to wait for a function on all ranks before declaring a hang.
         default_dtype: if given, each rank calls ``torch.set_default_dtype`` with it (a floating
             torch.dtype, e.g. torch.bfloat16) once its process group exists.

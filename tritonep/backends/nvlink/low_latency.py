@@ -12,10 +12,12 @@ passed to both kernels, which skip masked ranks; each dispatch keeps the mask it
 handle (``LowLatencyState.dispatch_mask``) for its receive hook and its combine. The kernels'
 docstrings say what they skip. ``clean`` is a kernel whose barriers skip masked ranks.
 
-Calls of a kind alternate between two slots of receive memory (double buffering). Rules,
-each raising InputError instead of hanging or corrupting: at most one send per kind may
-await its hook for now (``CallOrder.start``: two pending combines gave a wrong first result
-on the GPUs, a bug not found yet), and a combine needs its dispatch received.
+Calls of a kind alternate between two slots of receive memory (double buffering), so two
+calls of each kind may await their receive hooks at once (two micro-batches in flight, as in
+DeepEP), and the hooks may run in any order: each half finds its slot's use counter on the
+GPU. Rules, each raising InputError instead of hanging or corrupting: a call may not reuse
+the slot of a call still awaiting its hook (a third pending call), and a combine needs its
+dispatch received.
 """
 
 from __future__ import annotations
@@ -72,12 +74,10 @@ class CallOrder:
     def start(self, with_hook: bool) -> tuple[int, int]:
         """(call number, slot) of the next call."""
         slot = self.next_slot
-        if self.pending:
-            # Known bug (GPU only): with two combines awaiting their hooks, the first one's result
-            # came out wrong on 2 x H200. Until it is found, a second send waits for the first hook
-            # (which also keeps a call from reusing the slot of a call still awaiting its hook).
-            raise InputError(f"{self.kind}: an earlier call with return_recv_hook=True was not received yet; the "
-                             f"NVLink low-latency path allows one pending receive hook per kind, call it first")
+        if slot in self.pending:
+            raise InputError(f"{self.kind}: call {self.pending[slot]} still awaits its receive hook and holds receive "
+                             f"slot {slot}, which this call would reuse (calls alternate between two slots, so at "
+                             f"most two may await their hooks); run that hook first")
         self.sent += 1
         if with_hook:
             self.pending[slot] = self.sent

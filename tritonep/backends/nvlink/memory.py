@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...launch import SHARED_GPUS_VARIABLE
+
 MAX_CHANNELS = 160            # sender programs per launch (> SMs of an H100/H200)
 MAX_LOCAL_EXPERTS = 1024
 SIGNATURE_WORDS = 8           # (hidden words, scale words, top-k, experts, invalid ids, 0, 0, 0)
@@ -86,6 +88,8 @@ class SymmetricBuffer:
         self._keep_alive: list = []
         if interpret:
             peers = self._map_shared_files(total)
+        elif os.environ.get(SHARED_GPUS_VARIABLE) == "1":
+            peers = self._map_ipc_handles(total, device)
         else:
             peers = self._rendezvous_symmetric(total, device)
         self.peer_base_ptrs = torch.tensor(peers, dtype=torch.int64, device=device)
@@ -101,6 +105,23 @@ class SymmetricBuffer:
         handle = symm_mem.rendezvous(self.local, self.group.group_name)
         self._keep_alive.append(handle)
         return [int(p) for p in handle.buffer_ptrs]
+
+    def _map_ipc_handles(self, total: int, device: torch.device) -> list[int]:
+        """Ranks that share a GPU (tests: ``RankPool`` with more ranks than GPUs). torch
+        symmetric memory refuses two ranks on one device, so each rank exports a plain CUDA
+        allocation with CUDA IPC, as torch.multiprocessing does for tensors passed between
+        processes, and every peer maps it. Same layout, same kernels; NVLink is not involved."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.local = torch.empty(total, dtype=torch.uint8, device=device)
+        exported: list = [None] * self.num_ranks
+        dist.all_gather_object(exported, reduce_tensor(self.local), group=self.group)
+        mapped = [self.local if r == self.rank else rebuild(*args) for r, (rebuild, args) in enumerate(exported)]
+        self._keep_alive.extend(mapped)
+        # Every peer must have mapped this rank's allocation before any rank may drop its own
+        # reference to what it received (the exporter keeps the memory alive until then).
+        dist.barrier(group=self.group)
+        return [t.data_ptr() for t in mapped]
 
     def _map_shared_files(self, total: int) -> list[int]:
         token = [uuid.uuid4().hex if self.rank == 0 else None]
