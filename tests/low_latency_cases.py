@@ -359,3 +359,52 @@ def two_micro_batches(group: dist.ProcessGroup, case: LowLatencyCase, schedule: 
                                     [data[e, :v] for e, v in enumerate(valid)])
                      + _differences("combined", combined[index].cpu(), expected)]
     return problems
+
+
+def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, victim: int, kill: bool,
+                             timeout_s: float) -> list[str] | None:
+    """Shrink mode with a rank that dies (``kill``: SIGKILL) or stalls (makes no more calls)
+    after round 0, and no mask set by hand: the survivors' calls must complete, the waits on
+    the victim masking it (``low_latency_query_mask_buffer`` shows it, a warning names it), and
+    every later round must equal the CPU backend's with the victim masked by everyone.
+    Needs a pool of its own: the victim never takes part again."""
+    import os
+    import signal
+    import warnings
+
+    rank, size = group.rank(), group.size()
+    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, size, case.num_experts)
+    options = dict(num_rdma_bytes=rdma_bytes, low_latency_mode=True, enable_shrink=True)
+    nvlink = make_buffer(group, "nvlink", {"TRITONEP_TIMEOUT_S": str(timeout_s)}, **options)
+    gloo = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
+    cpu = make_buffer(gloo, "collective", **options)
+    experts_local = case.num_experts // size
+    stats = {name: {"recv": torch.zeros(experts_local, dtype=torch.int32, device=device)}
+             for name, device in (("nvlink", nvlink.device), ("cpu", torch.device("cpu")))}
+    # The oracle first, while every rank is alive: round 0 unmasked, then the victim masked.
+    dropped = symmetric_masks(size, (victim,))[rank]
+    expected = [_round(cpu, case, make_inputs(case, rank, index), torch.device("cpu"), stats["cpu"],
+                       dropped if index else None) for index in range(case.calls)]
+    problems = []
+    got = _round(nvlink, case, make_inputs(case, rank, 0), nvlink.device, stats["nvlink"])
+    for key in expected[0]:
+        problems += [f"round 0: {m}" for m in _differences(key, got[key], expected[0][key])]
+    dist.barrier(group=gloo)
+    if rank == victim:
+        if kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index in range(1, case.calls):
+            got = _round(nvlink, case, make_inputs(case, rank, index), nvlink.device, stats["nvlink"])
+            for key in expected[index]:
+                problems += [f"round {index}: {m}" for m in _differences(key, got[key], expected[index][key])]
+    status = torch.zeros(size, dtype=torch.int32, device=nvlink.device)
+    nvlink.low_latency_query_mask_buffer(status)
+    if status.cpu().tolist() != [int(r == victim) for r in range(size)]:
+        problems.append(f"mask after the victim stopped: {status.cpu().tolist()}")
+    notices = [str(w.message) for w in caught if f"waiting for rank {victim}, and masked it" in str(w.message)]
+    if not notices:
+        problems.append(f"no warning named rank {victim}: {[str(w.message) for w in caught]}")
+    return problems + _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"][:])

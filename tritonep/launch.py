@@ -14,7 +14,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -130,8 +130,11 @@ class RankPool:
             self._connections.append(parent_end)
             self._processes.append(process)
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``fn(group, *args, **kwargs)`` on every rank; returns the results by rank."""
+    def run(self, fn: Callable[..., Any], *args: Any, may_exit: Collection[int] = (), **kwargs: Any) -> list[Any]:
+        """Call ``fn(group, *args, **kwargs)`` on every rank; returns the results by rank.
+
+        ``may_exit``: ranks whose process may die during the call (tests of a killed rank);
+        their result is None. The pool's group then has a dead member: close it after."""
         for conn in self._connections:
             conn.send((fn, args, kwargs))
         results, failures = [], []
@@ -143,6 +146,9 @@ class RankPool:
             try:
                 status, value = conn.recv()
             except EOFError:   # the rank's process died (killed, or a crash in native code)
+                if rank in may_exit:
+                    results.append(None)
+                    continue
                 self.close(force=True)
                 raise RankFailure(f"rank {rank} exited while running {getattr(fn, '__name__', fn)}") from None
             if status == "error":

@@ -10,7 +10,10 @@ one symmetric allocation of ``num_rdma_bytes``, laid out by ``low_latency_layout
 Shrink mode: the backend's ``rank_mask`` (int32 [R] on the GPU, None without shrink mode) is
 passed to both kernels, which skip masked ranks; each dispatch keeps the mask it used in its
 handle (``LowLatencyState.dispatch_mask``) for its receive hook and its combine. The kernels'
-docstrings say what they skip. ``clean`` is a kernel whose barriers skip masked ranks.
+docstrings say what they skip. ``clean`` is a kernel whose barriers skip masked ranks. A rank
+that does not answer within the time-out (dead or stalled) is masked by the kernel that waited
+for it, and the call goes on without it (``sync.wait_all_or_mask``), as in DeepEP; the next
+call or hook warns, naming the rank and the phase.
 
 Calls of a kind alternate between two slots of receive memory (double buffering), so two
 calls of each kind may await their receive hooks at once (two micro-batches in flight, as in
@@ -23,6 +26,7 @@ dispatch received.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,7 +43,7 @@ from .low_latency_combine_kernel import low_latency_combine_kernel
 from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
 from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
 from .memory import SymmetricBuffer
-from .sync import GPU_KERNELS, INTERPRET, timeout_error
+from .sync import GPU_KERNELS, INTERPRET, MASKED_BIT, masked_after_timeout_message, timeout_error
 
 _DISPATCH = FastLauncher(low_latency_dispatch_kernel)
 _COMBINE = FastLauncher(low_latency_combine_kernel)
@@ -128,6 +132,11 @@ class LowLatencyEngine:
     def check_status(self) -> None:
         code = int(self._status_view[0])
         if code:
+            if code & MASKED_BIT.value:   # shrink mode: a peer was masked after a time-out, calls went on
+                self._status_view[0] = 0
+                warnings.warn(masked_after_timeout_message(code, self.rank, self.timeout_ns), RuntimeWarning,
+                              stacklevel=4)
+                return
             raise timeout_error(code, self.rank, self.timeout_ns, "low-latency calls")
 
     def _regions(self, T: int, hidden: int, num_experts: int) -> LowLatencyRegions:

@@ -29,10 +29,10 @@ def low_latency_clean_kernel(peer_base_ptrs, mask_ptr, area, rank, status_addres
     status_ptr = status_address.to(tl.pointer_type(tl.int64))
     control = (tl.load(peer_base_ptrs + rank) + area).to(tl.pointer_type(tl.int64))
     masked = load_rank_mask(mask_ptr, tl.arange(0, RANKS_PAD), NUM_RANKS, HAS_MASK)
-    barrier_unmasked(control, peer_base_ptrs, area, rank, masked, BARRIER, BARRIER_SENT, status_ptr, timeout_ns,
-                     PHASE_LL_CLEAN, NUM_RANKS, RANKS_PAD, GPU)
+    masked = barrier_unmasked(control, peer_base_ptrs, area, rank, masked, mask_ptr, BARRIER, BARRIER_SENT,
+                              status_ptr, timeout_ns, PHASE_LL_CLEAN, NUM_RANKS, RANKS_PAD, HAS_MASK, GPU)
     for first in range(0, CLEAN_END, BLOCK):
         words = first + tl.arange(0, BLOCK)
         tl.store(control + words, tl.zeros([BLOCK], tl.int64), mask=words < CLEAN_END)
-    barrier_unmasked(control, peer_base_ptrs, area, rank, masked, BARRIER, BARRIER_SENT, status_ptr, timeout_ns,
-                     PHASE_LL_CLEAN, NUM_RANKS, RANKS_PAD, GPU)
+    masked = barrier_unmasked(control, peer_base_ptrs, area, rank, masked, mask_ptr, BARRIER, BARRIER_SENT,
+                              status_ptr, timeout_ns, PHASE_LL_CLEAN, NUM_RANKS, RANKS_PAD, HAS_MASK, GPU)

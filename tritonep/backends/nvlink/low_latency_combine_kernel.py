@@ -37,6 +37,7 @@ from .sync import (
     begin_low_latency_send,
     fence_system,
     finish_low_latency_launch,
+    gave_up,
     load_acquire,
     load_rank_mask,
     now_ns,
@@ -44,8 +45,7 @@ from .sync import (
     ranks_masked,
     save_rank_mask,
     store_relaxed,
-    wait_all_at_least,
-    wait_at_least,
+    wait_all_or_mask,
 )
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 4)
@@ -94,8 +94,9 @@ def low_latency_combine_kernel(
         masked = load_rank_mask(combine_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
 
     if DO_SEND:
-        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, status_ptr, timeout_ns,
-                                      PHASE_LL_COMBINE_SLOT, NUM_RANKS, RANKS_PAD, MAX_RANKS, GPU)
+        call, masked = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, mask_ptr,
+                                              combine_mask_ptr, status_ptr, timeout_ns, PHASE_LL_COMBINE_SLOT,
+                                              NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
         # One item per (local expert, source rank); sources rotated so programs spread over links.
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
@@ -132,8 +133,11 @@ def low_latency_combine_kernel(
                 owner = expert // experts_per_rank
                 if not rank_masked(masked, ranks, owner):
                     started = now_ns(GPU)
-                    wait_at_least(control + FLAGS + slot * MAX_EXPERTS + expert, call, status_ptr, timeout_ns,
-                                  PHASE_LL_COMBINE_DATA, owner, GPU)
+                    one = ranks == 0
+                    wait_all_or_mask(control + FLAGS + slot * MAX_EXPERTS + expert + ranks * 0,
+                                     call + tl.zeros([RANKS_PAD], tl.int64), one, mask_ptr, combine_mask_ptr,
+                                     status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA, owner + ranks * 0, NUM_RANKS,
+                                     HAS_MASK, GPU)
                     tl.atomic_add(wait_stats_ptr + owner, now_ns(GPU) - started, sem="relaxed")
         column_blocks = tl.cdiv(HIDDEN, REDUCE_BLOCK)
         ks = tl.arange(0, TOPK_PAD)
@@ -144,10 +148,14 @@ def low_latency_combine_kernel(
             weights = tl.load(topk_weights_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=0.0)
             # Experts of masked ranks count as absent: not waited for, not added.
             present = (experts >= 0) & ~ranks_masked(masked, ranks, tl.maximum(experts, 0) // experts_per_rank)
-            # The flags of all of the token's experts at once.
-            wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0),
-                              call + tl.zeros([TOPK_PAD], tl.int64), present, status_ptr, timeout_ns,
-                              PHASE_LL_COMBINE_DATA, (tl.maximum(experts, 0) // experts_per_rank).to(tl.int32), GPU)
+            # The flags of all of the token's experts at once. Shrink mode: an expert whose rank
+            # timed out (now or in an earlier wait of this call) counts as absent too.
+            target = call + tl.zeros([TOPK_PAD], tl.int64)
+            flags = wait_all_or_mask(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0), target, present,
+                                     mask_ptr, combine_mask_ptr, status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA,
+                                     (tl.maximum(experts, 0) // experts_per_rank).to(tl.int32), NUM_RANKS, HAS_MASK,
+                                     GPU)
+            present = present & ~gave_up(flags, target)
             rows = tl.load(received + (token * MAX_TOPK + ks).to(tl.int64)[:, None] * HIDDEN + columns[None, :],
                            mask=present[:, None] & (columns < HIDDEN)[None, :], other=0.0, cache_modifier=".cg")
             total = tl.sum(rows.to(tl.float32) * weights[:, None], axis=0)

@@ -42,13 +42,14 @@ from .sync import (
     begin_low_latency_send,
     fence_system,
     finish_low_latency_launch,
+    gave_up,
     load_acquire,
     load_rank_mask,
     now_ns,
     rank_masked,
     save_rank_mask,
     store_relaxed,
-    wait_all_at_least,
+    wait_all_or_mask,
 )
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 0)
@@ -154,8 +155,9 @@ def low_latency_dispatch_kernel(
     else:
         masked = load_rank_mask(saved_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
     if DO_SEND:
-        call = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, status_ptr, timeout_ns,
-                                      PHASE_LL_DISPATCH_SLOT, NUM_RANKS, RANKS_PAD, MAX_RANKS, GPU)
+        call, masked = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, mask_ptr,
+                                              saved_mask_ptr, status_ptr, timeout_ns, PHASE_LL_DISPATCH_SLOT,
+                                              NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
         pairs = tl.arange(0, PAIRS_PAD)
         experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
         for expert in range(pid, num_experts, num_programs):
@@ -193,9 +195,11 @@ def low_latency_dispatch_kernel(
             local_expert = item // NUM_RANKS
             source = item % NUM_RANKS
             started = now_ns(GPU)
-            flags = wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks,
-                                      (call << 32) + tl.zeros([RANKS_PAD], tl.int64), heard, status_ptr,
-                                      timeout_ns, PHASE_LL_DISPATCH_DATA, ranks, GPU)
+            target = (call << 32) + tl.zeros([RANKS_PAD], tl.int64)
+            flags = wait_all_or_mask(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks,
+                                     target, heard, mask_ptr, saved_mask_ptr, status_ptr, timeout_ns,
+                                     PHASE_LL_DISPATCH_DATA, ranks, NUM_RANKS, HAS_MASK, GPU)
+            heard = heard & ~gave_up(flags, target)   # shrink mode: a source that timed out sends nothing
             if HAS_WAIT_STATS:
                 waited = tl.where(rank_masked(masked, ranks, source), 0, now_ns(GPU) - started)
                 tl.atomic_add(wait_stats_ptr + source, waited, sem="relaxed")

@@ -55,6 +55,14 @@ PHASE_NAMES = {
 }
 
 
+def masked_after_timeout_message(code: int, rank: int, timeout_ns: int) -> str:
+    """The warning for a status word with ``MASKED_BIT`` (shrink mode)."""
+    phase, peer = divmod((code & ~MASKED_BIT.value) - 1, 65536)
+    return (f"tritonep: rank {rank} timed out after {timeout_ns / 1e9:.0f} s in phase "
+            f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}, and masked it (enable_shrink=True): "
+            f"calls go on without that rank until low_latency_update_mask_buffer unmasks it")
+
+
 def timeout_error(code: int, rank: int, timeout_ns: int, calls: str) -> RuntimeError:
     """The error for a status word a timed-out wait wrote (``phase * 65536 + peer + 1``)."""
     phase, peer = divmod(code - 1, 65536)
@@ -64,8 +72,13 @@ def timeout_error(code: int, rank: int, timeout_ns: int, calls: str) -> RuntimeE
         f"different sequence of {calls}. This Buffer cannot be used any more.")
 
 
-# Spins that stand in for the timeout in the interpreter (each spin is a Python call).
-INTERPRETER_MAX_SPINS = 2_000_000
+# The interpreter has no clock: a wait gives up after timeout_ns / this many spins (each spin
+# is a Python call; 2 million spins for the default 60 s).
+NS_PER_INTERPRETER_SPIN = tl.constexpr(30_000)
+
+# Shrink mode: a status word with this bit set reports a peer that was masked after a time-out
+# (the call went on without it), not a failure.
+MASKED_BIT = tl.constexpr(1 << 40)
 
 
 @triton.jit
@@ -120,7 +133,7 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
         if GPU:
             expired = (now_ns(GPU) - start) > timeout_ns
         else:
-            expired = spins > 2_000_000  # INTERPRETER_MAX_SPINS
+            expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
     if expired:
         tl.store(status_ptr, (phase * 65536 + peer + 1).to(tl.int64))
         value = target + (1 << 56)
@@ -162,14 +175,65 @@ def wait_all_at_least(pointers, targets, mask, status_ptr, timeout_ns, phase, pe
         if GPU:
             expired = (now_ns(GPU) - start) > timeout_ns
         else:
-            expired = spins > 2_000_000  # INTERPRETER_MAX_SPINS
+            expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
     if expired:
         lagging = values < targets
         peer = tl.min(tl.where(lagging, peers, 1 << 30), axis=0)
-        tl.store(status_ptr, (phase * 65536 + peer + 1).to(tl.int64))
+        tl.store(status_ptr, tl.zeros((), tl.int64) + phase * 65536 + peer + 1)
         values = tl.where(lagging, targets + (1 << 56), values)
     tl.debug_barrier()
     return values
+
+
+@triton.jit
+def wait_all_or_mask(pointers, targets, waiting, mask_ptr, saved_mask_ptr, status_ptr, timeout_ns, phase, peers,
+                     NUM_RANKS: tl.constexpr, SHRINK: tl.constexpr, GPU: tl.constexpr):
+    """``wait_all_at_least`` for the low-latency kernels, which may run in shrink mode
+    (``SHRINK``, DeepEP's enable_shrink): there a peer that does not answer within the time-out
+    is masked instead of failing the call, as DeepEP does. Its lane gives up, ``mask_ptr[peer]``
+    (the Buffer's mask, what ``low_latency_query_mask_buffer`` shows) and ``saved_mask_ptr[peer]``
+    (the mask this call uses, which its receive half or combine reads) become 1, and the status
+    word gets a notice with ``MASKED_BIT`` that the host turns into a warning. A lane also gives
+    up at once when its peer is in that call mask already, put there by another program's
+    time-out: a dead rank costs one time-out per launch, not one per wait. Lanes that gave up return ``targets + 2**56``
+    (see ``gave_up``): above any real counter, and 0 in the low 32 bits, where the dispatch
+    flags carry their row counts. Only ``saved_mask_ptr`` is polled: a mask the user changes while
+    a call is in flight applies from the next call (the receive half keeps its send's mask)."""
+    if SHRINK:
+        asked = waiting
+        waiting = waiting & (tl.load(saved_mask_ptr + peers, mask=waiting & (peers < NUM_RANKS), other=0,
+                                     volatile=True) == 0)
+        values = tl.where(waiting, load_acquire(pointers, GPU), targets)
+        start = now_ns(GPU)
+        spins = 0
+        expired = tl.zeros((), dtype=tl.int1)
+        while (tl.sum(((values < targets) & waiting).to(tl.int32), axis=0) > 0) & (expired == 0):
+            lagging = waiting & (values < targets)
+            values = tl.where(lagging, load_acquire(pointers, GPU), values)
+            newly_masked = tl.load(saved_mask_ptr + peers, mask=lagging, other=0, volatile=True) != 0
+            waiting = waiting & ~newly_masked
+            spins += 1
+            if GPU:
+                expired = (now_ns(GPU) - start) > timeout_ns
+            else:
+                expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
+        lagging = waiting & (values < targets)
+        if expired:
+            tl.atomic_xchg(mask_ptr + peers, 1, mask=lagging, sem="relaxed")
+            tl.atomic_xchg(saved_mask_ptr + peers, 1, mask=lagging, sem="relaxed")
+            peer = tl.min(tl.where(lagging, peers, 1 << 30), axis=0)
+            tl.store(status_ptr, tl.zeros((), tl.int64) + phase * 65536 + peer + 1 + MASKED_BIT)
+        values = tl.where(waiting & ~lagging, values, tl.where(asked, targets + (1 << 56), targets))
+        tl.debug_barrier()
+    else:
+        values = wait_all_at_least(pointers, targets, waiting, status_ptr, timeout_ns, phase, peers, GPU)
+    return values
+
+
+@triton.jit
+def gave_up(values, targets):
+    """Lanes of ``wait_all_or_mask`` (or ``wait_all_at_least``) that stopped waiting."""
+    return values >= targets + (1 << 56)
 
 
 @triton.jit
@@ -225,21 +289,22 @@ def ranks_masked(masked, ranks, peers):
 
 
 @triton.jit
-def begin_low_latency_send(control, sequence_sent, freed, sent_use, slot, masked, status_ptr, timeout_ns, phase,
-                           NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, MAX_RANKS: tl.constexpr,
-                           GPU: tl.constexpr):
-    """A low-latency send's use number of its slot, after every rank it writes into finished
-    receiving the last use of the slot that this rank wrote into it (the peers write
-    ``freed + slot * MAX_RANKS + peer``; ``sent_use + slot * MAX_RANKS + peer`` holds that use,
-    the previous one unless masks skipped the peer). Ranks in ``masked`` are not waited for:
-    this send writes nothing into them."""
+def begin_low_latency_send(control, sequence_sent, freed, sent_use, slot, masked, mask_ptr, saved_mask_ptr,
+                           status_ptr, timeout_ns, phase, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+                           MAX_RANKS: tl.constexpr, SHRINK: tl.constexpr, GPU: tl.constexpr):
+    """(use number of the slot, ranks to skip) for a low-latency send, after every rank it
+    writes into finished receiving the last use of the slot that this rank wrote into it (the
+    peers write ``freed + slot * MAX_RANKS + peer``; ``sent_use + slot * MAX_RANKS + peer``
+    holds that use, the previous one unless masks skipped the peer). Ranks in ``masked`` are
+    not waited for: this send writes nothing into them. In shrink mode a rank that does not
+    answer in time joins them (``wait_all_or_mask``)."""
     call = load_acquire(control + sequence_sent + slot, GPU) + 1
     ranks = tl.arange(0, RANKS_PAD)
     words = slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1)
     last_written = tl.load(control + sent_use + words)
-    wait_all_at_least(control + freed + words, last_written, (ranks < NUM_RANKS) & (masked == 0), status_ptr,
-                      timeout_ns, phase, ranks, GPU)
-    return call
+    values = wait_all_or_mask(control + freed + words, last_written, (ranks < NUM_RANKS) & (masked == 0), mask_ptr,
+                              saved_mask_ptr, status_ptr, timeout_ns, phase, ranks, NUM_RANKS, SHRINK, GPU)
+    return call, masked | gave_up(values, last_written)
 
 
 @triton.jit
@@ -273,13 +338,15 @@ def finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked,
 
 
 @triton.jit
-def barrier_unmasked(control, peer_base_ptrs, area, rank, masked, barrier, barrier_sent, status_ptr, timeout_ns,
-                     phase, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, GPU: tl.constexpr):
+def barrier_unmasked(control, peer_base_ptrs, area, rank, masked, mask_ptr, barrier, barrier_sent, status_ptr,
+                     timeout_ns, phase, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SHRINK: tl.constexpr,
+                     GPU: tl.constexpr):
     """One program: return once every rank not in ``masked`` reached its matching barrier, with
     this program's earlier stores visible to them. Counts are per pair of ranks: this rank's
     n-th barrier with rank p (``barrier_sent + p``) writes n into p's ``barrier + rank`` and
     waits for its own ``barrier + p`` to reach n. Masked ranks are skipped and their counts stay
-    put, so a rank that was masked (and idle) for a while is waited for correctly once unmasked."""
+    put, so a rank that was masked (and idle) for a while is waited for correctly once unmasked.
+    Returns the ranks skipped: ``masked``, and in shrink mode the ranks masked after a time-out."""
     ranks = tl.arange(0, RANKS_PAD)
     words = tl.minimum(ranks, NUM_RANKS - 1)
     linked = (ranks < NUM_RANKS) & (masked == 0)
@@ -290,4 +357,6 @@ def barrier_unmasked(control, peer_base_ptrs, area, rank, masked, barrier, barri
         if not rank_masked(masked, ranks, peer):
             peer_control = (tl.load(peer_base_ptrs + peer) + area).to(tl.pointer_type(tl.int64))
             store_relaxed(peer_control + barrier + rank, tl.sum(tl.where(ranks == peer, counts, 0), axis=0), GPU)
-    wait_all_at_least(control + barrier + words, counts, linked, status_ptr, timeout_ns, phase, ranks, GPU)
+    values = wait_all_or_mask(control + barrier + words, counts, linked, mask_ptr, mask_ptr, status_ptr, timeout_ns,
+                              phase, ranks, NUM_RANKS, SHRINK, GPU)
+    return masked | gave_up(values, counts)
