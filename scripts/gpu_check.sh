@@ -96,6 +96,14 @@ TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+# DeepEP V1 side by side (--vs-deepep) when its sources were carried in .bench_deps (see
+# ../shared/deepep/README.md: mkdir -p .bench_deps && cp ../shared/deepep/* .bench_deps/).
+if [ -f .bench_deps/build_on_device.sh ]; then
+  echo "== building DeepEP V1 for --vs-deepep"
+  timeout 300 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1 \
+    && export PYTHONPATH="/tmp/deepep:$PYTHONPATH" || echo "DeepEP build failed: see deepep_build.log"
+  bench_args+=(--vs-deepep)
+fi
 echo "== benchmark"
 timeout ${BENCH_TIMEOUT:-300} python3 -m tritonep.bench "${bench_args[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -1,7 +1,7 @@
 """Benchmark: tritonep's dispatch/combine against what users would do without it.
 
     python -m tritonep.bench [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
-                             [--num-sms 24] [--out DIR] [--sweep]
+                             [--num-sms 24] [--iters 50] [--out DIR] [--sweep] [--vs-deepep]
 
 On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing:
 * tritonep (NVLink backend): layout, dispatch with its count exchange, cached dispatch in bf16
@@ -9,14 +9,18 @@ On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing
 * the all_to_all_single path: tritonep's collective backend on NCCL (layout in torch, count
   exchange, permute, ``all_to_all_single``, un-permute), and the bare ``all_to_all_single``
   of the already-permuted rows;
-* the link ceiling: the copy engine pushing the same remote bytes into a peer's symmetric
-  memory while every GPU does the same;
-* with ``--sweep``, a curve over num_sms and a few kernel shapes;
+* DeepEP V1 (``--vs-deepep``, when ``import deep_ep`` gives DeepEP itself, built with
+  ../shared/deepep/build_on_device.sh): its Buffer on the same inputs with the same timing;
+  otherwise the report says why it is missing;
+* the link ceiling: the copy engine pushing the same remote bytes into the peers' symmetric
+  memory, one stream per peer, peers in rotated order, while every GPU does the same;
+* with ``--sweep``, a curve over num_sms (4 to 64, DeepEP's too) and a few kernel shapes;
 * the low-latency (decode) calls, see ``bench_low_latency`` (``--ll-tokens``, ``--ll-experts``).
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). Times are medians of CUDA-event
-timings taken after aligning the GPUs with a small all-reduce. Without GPUs it runs the CPU
+timings (``--iters``, 50 by default) taken with L2 flushed and the GPUs aligned by a small
+all-reduce before each call; every figure is the slowest rank's. Without GPUs it runs the CPU
 backend on gloo ranks at a small size so the command works everywhere.
 """
 
@@ -33,19 +37,44 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import tritonep as deep_ep
+import tritonep
 from tritonep import bench_low_latency, utils
 from tritonep.launch import RankPool
 
+_L2_FLUSH: dict = {}
+
+
+def flush_l2() -> None:
+    """Overwrite 256 MB (more than an H100/H200's 50-60 MB of L2) so that the next timed call
+    reads its inputs from HBM, as DeepEP's benchmarks do between calls."""
+    device = torch.cuda.current_device()
+    if device not in _L2_FLUSH:
+        _L2_FLUSH[device] = torch.empty(256 << 20, dtype=torch.int8, device=torch.device("cuda", device))
+    _L2_FLUSH[device].zero_()
+
+
+def load_deepep() -> tuple[object | None, str]:
+    """(DeepEP's ``deep_ep`` module, "") when it imports and is DeepEP itself, else (None, why)."""
+    try:
+        import deep_ep as module
+    except ImportError as error:
+        return None, f"DeepEP not found (import deep_ep: {error})"
+    if getattr(module, "__name__", "") != "deep_ep" or hasattr(module, "InputError"):
+        return None, "import deep_ep gave tritonep, not DeepEP"
+    return module, ""
+
 
 def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median microseconds of ``fn`` over ``iters`` calls, all ranks starting together."""
+    """Median microseconds of ``fn`` over ``iters`` calls, all ranks starting together, L2
+    flushed before each call on GPUs."""
     gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     align = torch.zeros(1, dtype=torch.float32, device="cuda" if gpu else "cpu")
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if gpu:
+            flush_l2()
         dist.all_reduce(align, group=group)
         if gpu:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -94,17 +123,21 @@ def _make_routing(args: argparse.Namespace, rank: int, device: torch.device) -> 
     return x, topk_idx, topk_weights
 
 
-def _buffer(group: dist.ProcessGroup, backend: str, nvl_bytes: int) -> deep_ep.Buffer:
+def _buffer(group: dist.ProcessGroup, backend: str, nvl_bytes: int) -> tritonep.Buffer:
     os.environ["TRITONEP_BACKEND"] = backend
     try:
-        return deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes)
+        return tritonep.Buffer(group, num_nvl_bytes=nvl_bytes)
     finally:
         os.environ.pop("TRITONEP_BACKEND")
 
 
-def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int, fp8: bool = True) -> dict:
-    """Times of one backend's calls and the received bytes they move."""
-    config = deep_ep.Config(num_sms)
+def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int, fp8: bool = True,
+                    module=tritonep) -> dict:
+    """Times of one Buffer's calls and the received bytes they move. ``module`` is the package
+    the Buffer comes from (tritonep, or DeepEP's deep_ep): both size their configs the same way."""
+    module.Buffer.set_num_sms(num_sms)
+    config = module.Buffer.get_dispatch_config(group.size())
+    combine_config = module.Buffer.get_combine_config(group.size())
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -118,15 +151,15 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
         "dispatch_us": _median_us(group, lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
                                                                  config=config, **layout), iters),
         "cached_dispatch_us": _median_us(group, lambda: buffer.dispatch(x, handle=handle, config=config), iters),
-        "combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=config), iters),
+        "combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=combine_config), iters),
     }
     if x.is_cuda:
         result["layout_pipelined_us"] = _pipelined_us(
             group, lambda: buffer.get_dispatch_layout(topk_idx, args.experts), iters)
         result["cached_dispatch_pipelined_us"] = _pipelined_us(
             group, lambda: buffer.dispatch(x, handle=handle, config=config), iters)
-        result["combine_pipelined_us"] = _pipelined_us(group, lambda: buffer.combine(recv_x, handle, config=config),
-                                                       iters)
+        result["combine_pipelined_us"] = _pipelined_us(
+            group, lambda: buffer.combine(recv_x, handle, config=combine_config), iters)
     if fp8:
         result["cached_dispatch_fp8_us"] = _median_us(group, lambda: buffer.dispatch(x_fp8, handle=handle,
                                                                                      config=config), iters)
@@ -159,12 +192,20 @@ def _copy_engine_ceiling(group, remote_bytes: int) -> float:
     buffer = symm_mem.empty(per_peer * num_ranks, dtype=torch.uint8, device="cuda")
     handle = symm_mem.rendezvous(buffer, group.group_name)
     source = torch.randint(0, 255, (per_peer,), dtype=torch.uint8, device="cuda")
-    views = [handle.get_buffer(peer, (per_peer,), torch.uint8, storage_offset=rank * per_peer)
-             for peer in range(num_ranks) if peer != rank]
+    # Peers in rotated order (rank+1, rank+2, ...), so that the GPUs do not all start on the same
+    # peer, and one stream per peer, so that the copies to different peers run at once.
+    peers = [(rank + step) % num_ranks for step in range(1, num_ranks)]
+    views = [handle.get_buffer(peer, (per_peer,), torch.uint8, storage_offset=rank * per_peer) for peer in peers]
+    streams = [torch.cuda.Stream() for _ in peers]
 
     def push() -> None:
-        for view in views:
-            view.copy_(source, non_blocking=True)
+        current = torch.cuda.current_stream()
+        for view, stream in zip(views, streams):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                view.copy_(source, non_blocking=True)
+        for stream in streams:
+            current.wait_stream(stream)
     us = _median_us(group, push, 20)
     return per_peer * len(views) / us / 1e3
 
@@ -191,10 +232,38 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
         report["copy_engine_ceiling_gbps"] = _copy_engine_ceiling(group, report["remote_bytes"])
         if args.sweep:
             report["num_sms_curve"] = {
-                n: _measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False)
-                for n in (8, 16, 24, 32, 48, 64, 96, 132)}
+                n: _measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False) for n in SWEEP_SMS}
             report["shape_sweep"] = _shape_sweep(group, ours, args, x, topk_idx, topk_weights)
+    if args.vs_deepep:
+        report["deepep"] = _deepep(group, args, x, topk_idx, topk_weights, nvl_bytes, gpu)
+    tritonep.Buffer.set_num_sms(args.num_sms)
     return report
+
+
+SWEEP_SMS = (4, 8, 16, 24, 32, 64)
+
+
+def _deepep(group, args, x, topk_idx, topk_weights, nvl_bytes: int, gpu: bool) -> dict:
+    """DeepEP V1's Buffer on the same inputs, with the same timing (``--vs-deepep``); a
+    ``{"missing": why}`` entry when deep_ep does not import, or an ``{"error": ...}`` one when
+    a DeepEP call fails, so that the rest of the run still reports."""
+    module, why = load_deepep()
+    if module is None or not gpu:
+        return {"missing": why or "DeepEP runs on GPUs only"}
+    try:
+        buffer = module.Buffer(group, nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
+                               explicitly_destroy=True)
+        try:
+            result = _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, module=module)
+            if args.sweep:
+                result["num_sms_curve"] = {n: _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, n,
+                                                              fp8=False, module=module) for n in SWEEP_SMS}
+        finally:
+            buffer.destroy()
+            module.Buffer.set_num_sms(args.num_sms)
+        return result
+    except Exception as error:  # noqa: BLE001 - report it, keep the run's other figures
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def _shape_sweep(group, buffer, args, x, topk_idx, topk_weights) -> list[dict]:
@@ -224,8 +293,9 @@ def print_table(report: dict) -> None:
           f"top-{report['topk']} of {report['experts']} experts, num_sms={report['num_sms']}")
     print(f"{'path':<40}{'time (us)':>12}{'GB/s':>10}")
     rows = []
-    for name, key in (("tritonep", "tritonep"), ("all_to_all_single path", "all_to_all_path")):
-        if key not in report:
+    deepep = report.get("deepep", {})
+    for name, key in (("tritonep", "tritonep"), ("DeepEP V1", "deepep"), ("all_to_all_single path", "all_to_all_path")):
+        if key not in report or "recv_bytes" not in report[key]:
             continue
         m = report[key]
         rows += [(f"{name}: layout", m["layout_us"], None),
@@ -245,6 +315,11 @@ def print_table(report: dict) -> None:
     if "copy_engine_ceiling_gbps" in report:
         print(f"{'link ceiling (copy engine push)':<40}{'':>12}{report['copy_engine_ceiling_gbps']:>10.1f}")
         print(f"(remote bytes per rank: {report['remote_bytes'] / 1e6:.1f} MB; NVL GB/s counts own rows too)")
+    if "missing" in deepep or "error" in deepep:
+        print(f"DeepEP V1: {deepep.get('missing') or deepep.get('error')}")
+    for n, m in deepep.get("num_sms_curve", {}).items():
+        print(f"DeepEP num_sms={n:<4} cached dispatch {_gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  "
+              f"combine {_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s")
     for n, m in report.get("num_sms_curve", {}).items():
         print(f"num_sms={n:<4} cached dispatch {_gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  "
               f"combine {_gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s  back to back: "
@@ -267,8 +342,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--num-sms", type=int, default=24)
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per figure (median)")
+    parser.add_argument("--sweep", action="store_true", help=f"num_sms curve {SWEEP_SMS} and kernel shapes")
+    parser.add_argument("--vs-deepep", action="store_true",
+                        help="also DeepEP V1 (import deep_ep) on the same inputs, when it imports")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
     parser.add_argument("--ll-tokens", type=int, default=128 if gpus >= 2 else 16,
                         help="low-latency part: tokens per rank (T)")
@@ -301,18 +378,26 @@ def _plot(report: dict, path: str) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    curve = report.get("num_sms_curve")
-    if not curve:
+    curves = {"tritonep": report.get("num_sms_curve"), "DeepEP V1": report.get("deepep", {}).get("num_sms_curve")}
+    if not curves["tritonep"]:
         return
-    sms = sorted(curve, key=int)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("cached_dispatch_us", "cached dispatch bf16"), ("combine_us", "combine")):
-        ax.plot([int(n) for n in sms], [_gbps(curve[n]["recv_bytes"], curve[n][key]) for n in sms], "o-", label=label)
+    for name, curve in curves.items():
+        if not curve:
+            continue
+        sms = sorted(curve, key=int)
+        for key, label in (("cached_dispatch_us", "cached dispatch bf16"), ("combine_us", "combine")):
+            ax.plot([int(n) for n in sms], [_gbps(curve[n]["recv_bytes"], curve[n][key]) for n in sms],
+                    "o-" if name == "tritonep" else "s--", label=f"{name}: {label}")
+    if "all_to_all_path" in report:
+        m = report["all_to_all_path"]
+        ax.axhline(_gbps(m["recv_bytes"], m["cached_dispatch_us"]), color="tab:red", ls=":",
+                   label="all_to_all_single path: cached dispatch")
     if "copy_engine_ceiling_gbps" in report:
         ax.axhline(report["copy_engine_ceiling_gbps"], color="gray", ls="--", label="copy-engine link ceiling")
     ax.set_xlabel("num_sms (programs per launch)")
     ax.set_ylabel("NVL GB/s (DeepEP metric)")
-    ax.set_title(f"tritonep on {report['ranks']}x {report['device']}")
+    ax.set_title(f"{report['ranks']}x {report['device']}, {report['tokens']} tokens/rank")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -134,7 +134,7 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
             expired = (now_ns(GPU) - start) > timeout_ns
         else:
             expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
-    if expired:
+    if expired & (value < target):   # not when the last poll saw it arrive as the time ran out
         tl.store(status_ptr, (phase * 65536 + peer + 1).to(tl.int64))
         value = target + (1 << 56)
     tl.debug_barrier()
@@ -176,8 +176,10 @@ def wait_all_at_least(pointers, targets, mask, status_ptr, timeout_ns, phase, pe
             expired = (now_ns(GPU) - start) > timeout_ns
         else:
             expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
-    if expired:
-        lagging = values < targets
+    lagging = values < targets
+    # Only lanes still short count: the last poll may have seen the counter arrive just as the
+    # time ran out.
+    if expired & (tl.sum(lagging.to(tl.int32), axis=0) > 0):
         peer = tl.min(tl.where(lagging, peers, 1 << 30), axis=0)
         tl.store(status_ptr, tl.zeros((), tl.int64) + phase * 65536 + peer + 1)
         values = tl.where(lagging, targets + (1 << 56), values)
@@ -218,7 +220,9 @@ def wait_all_or_mask(pointers, targets, waiting, mask_ptr, saved_mask_ptr, statu
             else:
                 expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
         lagging = waiting & (values < targets)
-        if expired:
+        # Only lanes still waiting count: in its last poll a lane may have seen its counter
+        # arrive, or its peer masked by another program's time-out, just as the time ran out.
+        if expired & (tl.sum(lagging.to(tl.int32), axis=0) > 0):
             tl.atomic_xchg(mask_ptr + peers, 1, mask=lagging, sem="relaxed")
             tl.atomic_xchg(saved_mask_ptr + peers, 1, mask=lagging, sem="relaxed")
             peer = tl.min(tl.where(lagging, peers, 1 << 30), axis=0)
