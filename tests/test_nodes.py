@@ -3,8 +3,8 @@
 The collective backend is the oracle for the internode path: under any node split its
 results must be exactly those of the same routing on a one-node group of as many ranks. Each
 rank function returns its results to the test process, which compares the split pool's with
-the single-node pool's. Spawned ranks read ``TRITONEP_GPUS_PER_NODE`` from the environment
-they inherit, so it is set while a pool starts (``gpus_per_node``) and restored after.
+the single-node pool's. A split pool's ranks get ``TRITONEP_GPUS_PER_NODE`` through
+``RankPool(env=...)``; tests in this process set it with ``gpus_per_node`` and restore it after.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def gpus_per_node(value: int | None) -> Iterator[None]:
 
 
 def start_pool(num_ranks: int, per_node: int | None) -> RankPool:
-    with gpus_per_node(per_node):   # spawned ranks copy the environment when they start
-        return RankPool(num_ranks, timeout=120, **pool_options())
+    with gpus_per_node(None):   # the one-node reference must not inherit a split from the caller
+        return RankPool(num_ranks, timeout=120, **pool_options(),
+                        env={topology.GPUS_PER_NODE_VARIABLE: str(per_node)} if per_node else None)
 
 
 @pytest.fixture(scope="module", params=SPLITS, ids=lambda split: f"{split[0]}x{split[1]}")

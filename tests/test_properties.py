@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch_defaults import pool_options
 
 from tritonep.launch import RankFailure, RankPool
+from tritonep.topology import GPUS_PER_NODE_VARIABLE
 
 FP8 = torch.float8_e4m3fn
 POOL_TIMEOUT_S = 60.0
@@ -40,13 +41,16 @@ SETTINGS = dict(
 # ----------------------------------------------------------------------------- pools
 @pytest.fixture(scope="module")
 def pools():
-    """One RankPool per world size, started on first use and kept for the whole module."""
-    started: dict[int, RankPool] = {}
+    """One RankPool per world size (and node split: ``ranks_per_node``, None for one node),
+    started on first use and kept for the whole module."""
+    started: dict[tuple[int, int | None], RankPool] = {}
 
-    def get(num_ranks: int) -> RankPool:
-        pool = started.get(num_ranks)
+    def get(num_ranks: int, ranks_per_node: int | None = None) -> RankPool:
+        key = (num_ranks, ranks_per_node)
+        pool = started.get(key)
         if pool is None or not pool._processes:  # a pool closed by a hang is restarted
-            pool = started[num_ranks] = RankPool(num_ranks, timeout=POOL_TIMEOUT_S, **pool_options())
+            env = {GPUS_PER_NODE_VARIABLE: str(ranks_per_node)} if ranks_per_node else None
+            pool = started[key] = RankPool(num_ranks, timeout=POOL_TIMEOUT_S, env=env, **pool_options())
         return pool
 
     yield get
@@ -79,6 +83,7 @@ class World:
     use_hook: bool = False
     zero_copy: bool = False
     round_scale: bool = False
+    ranks_per_node: int | None = None  # the pool splits the group into nodes of this many ranks
 
     @property
     def E_local(self) -> int:
@@ -246,8 +251,8 @@ def _round_trip_calls(group, world: World) -> dict:
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk, E)
     out["layout"] = (per_rank.clone(), per_rdma, per_expert.clone(), in_rank.clone())
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk, topk_weights=weights, expert_alignment=world.alignment)
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights, expert_alignment=world.alignment)
     out["dispatch"] = (recv_x.clone(), recv_idx.clone(), recv_w.clone(), list(counts), handle[0].clone())
     out["list_types"] = (type(counts).__name__, sorted({type(c).__name__ for c in counts}))
 
@@ -274,16 +279,16 @@ def _round_trip_calls(group, world: World) -> dict:
     out["cached"] = (cached_recv, [value is None for value in cached[1:5]])
     if world.fp8:  # a fresh dispatch of the fp8 tuple: data and scales ride with the top-k
         (f_data, f_scales), f_idx, f_w, f_counts, _, _ = buffer.dispatch(
-            cached_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk, topk_weights=weights, expert_alignment=world.alignment)
+            cached_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights, expert_alignment=world.alignment)
         out["fresh_fp8"] = ((f_data.view(torch.uint8).clone(), f_scales.clone()), f_idx.clone(), f_w.clone(),
                             list(f_counts))
 
     # The caller's bound is the same on all ranks: rows this rank could receive at most, plus slack.
     num_worst = max(1, world.worst_extra + _max_received(world))
     w_recv_x, w_recv_idx, w_recv_w, w_counts, w_handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk, topk_weights=weights, num_worst_tokens=num_worst)
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights, num_worst_tokens=num_worst)
     w_combined, _, event = buffer.combine(w_recv_x, w_handle, async_finish=True)
     event.current_stream_wait()
     w_cached = buffer.dispatch(world.x2[rank], handle=w_handle)[0]
@@ -378,7 +383,14 @@ def _close(got: torch.Tensor, expected: torch.Tensor, what: str, world: World, r
 def _check_layout(world: World, r: int, layout) -> None:
     per_rank, per_rdma, per_expert, in_rank = layout
     n = world.topk[r].shape[0]
-    assert per_rdma is None
+    if world.ranks_per_node is None:
+        assert per_rdma is None
+    else:   # tokens with at least one expert on each node
+        experts_per_node = world.E // world.R * world.ranks_per_node
+        rows = world.topk[r].tolist()
+        exp_per_node = [sum(any(e >= 0 and e // experts_per_node == node for e in row) for row in rows)
+                        for node in range(world.R // world.ranks_per_node)]
+        assert per_rdma.dtype == torch.int32 and per_rdma.tolist() == exp_per_node, world.describe()
     exp_in_rank = torch.tensor([[_in_rank(world, r, t, d) for d in range(world.R)] for t in range(n)],
                                dtype=torch.bool).reshape(n, world.R)
     assert in_rank.dtype == torch.bool and torch.equal(in_rank, exp_in_rank), world.describe()
@@ -605,6 +617,18 @@ def test_round_trip(pools, num_ranks, data):
 @given(world=worlds(5))
 def test_round_trip_five_ranks(pools, world):
     _run_and_check(pools(5), world)
+
+
+@pytest.mark.parametrize("split", [(2, 2), (2, 3), (3, 2)], ids=lambda split: f"{split[0]}x{split[1]}")
+@settings(max_examples=max(3, PROFILE_EXAMPLES // 8), **SETTINGS)
+@given(data=st.data())
+def test_round_trip_node_split(pools, split, data):
+    """The same round trip on groups split into nodes (issue 12): every property still holds,
+    and get_dispatch_layout counts each token once per node it reaches."""
+    nodes, per_node = split
+    world = data.draw(worlds(nodes * per_node))
+    world.ranks_per_node = per_node
+    _run_and_check(pools(nodes * per_node, per_node), world)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -50,8 +50,9 @@ class RankFailure(RuntimeError):
 
 
 def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, default_dtype: Any = None,
-            default_device: Any = None) -> None:
+            default_device: Any = None, env: dict[str, str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update(env or {})
     import torch
     import torch.distributed as dist
 
@@ -104,10 +105,13 @@ class RankPool:
             torch.dtype, e.g. torch.bfloat16) once its process group exists.
         default_device: if given, each rank calls ``torch.set_default_device`` with it (e.g.
             "cuda": the rank's own GPU) once its process group exists.
+        env: environment variables set in every rank's process before anything else (e.g.
+            ``TRITONEP_GPUS_PER_NODE``), on top of the environment the ranks inherit.
     """
 
     def __init__(self, num_ranks: int, use_gpu: bool = False, timeout: float = 300.0,
-                 default_dtype: torch.dtype | None = None, default_device: str | torch.device | None = None) -> None:
+                 default_dtype: torch.dtype | None = None, default_device: str | torch.device | None = None,
+                 env: dict[str, str] | None = None) -> None:
         if default_dtype is not None or default_device is not None:
             import torch
 
@@ -125,7 +129,8 @@ class RankPool:
         for rank in range(num_ranks):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_worker, daemon=True,
-                                      args=(rank, num_ranks, port, use_gpu, child_end, default_dtype, default_device))
+                                      args=(rank, num_ranks, port, use_gpu, child_end, default_dtype, default_device,
+                                            env))
             process.start()
             self._connections.append(parent_end)
             self._processes.append(process)
