@@ -12,7 +12,7 @@ passed to both kernels, which skip masked ranks; each dispatch keeps the mask it
 handle (``LowLatencyState.dispatch_mask``) for its receive hook and its combine. The kernels'
 docstrings say what they skip. ``clean`` is a kernel whose barriers skip masked ranks. A rank
 that does not answer within the time-out (dead or stalled) is masked by the kernel that waited
-for it, and the call goes on without it (``sync.wait_all_or_mask``), as in DeepEP; the next
+for it, and the call goes on without it (``sync.wait_all_at_least``), as in DeepEP; the next
 call or hook warns, naming the rank and the phase.
 
 Calls of a kind alternate between two slots of receive memory (double buffering), so two

@@ -45,7 +45,7 @@ from .sync import (
     ranks_masked,
     save_rank_mask,
     store_relaxed,
-    wait_all_or_mask,
+    wait_all_at_least,
 )
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 4)
@@ -134,10 +134,10 @@ def low_latency_combine_kernel(
                 if not rank_masked(masked, ranks, owner):
                     started = now_ns(GPU)
                     one = ranks == 0
-                    wait_all_or_mask(control + FLAGS + slot * MAX_EXPERTS + expert + ranks * 0,
-                                     call + tl.zeros([RANKS_PAD], tl.int64), one, mask_ptr, combine_mask_ptr,
-                                     status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA, owner + ranks * 0, NUM_RANKS,
-                                     HAS_MASK, GPU)
+                    wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + expert + ranks * 0,
+                                      call + tl.zeros([RANKS_PAD], tl.int64), one, status_ptr, timeout_ns,
+                                      PHASE_LL_COMBINE_DATA, owner + ranks * 0, mask_ptr, combine_mask_ptr, NUM_RANKS,
+                                      HAS_MASK, GPU)
                     tl.atomic_add(wait_stats_ptr + owner, now_ns(GPU) - started, sem="relaxed")
         column_blocks = tl.cdiv(HIDDEN, REDUCE_BLOCK)
         ks = tl.arange(0, TOPK_PAD)
@@ -151,10 +151,10 @@ def low_latency_combine_kernel(
             # The flags of all of the token's experts at once. Shrink mode: an expert whose rank
             # timed out (now or in an earlier wait of this call) counts as absent too.
             target = call + tl.zeros([TOPK_PAD], tl.int64)
-            flags = wait_all_or_mask(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0), target, present,
-                                     mask_ptr, combine_mask_ptr, status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA,
-                                     (tl.maximum(experts, 0) // experts_per_rank).to(tl.int32), NUM_RANKS, HAS_MASK,
-                                     GPU)
+            flags = wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0), target,
+                                      present, status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA,
+                                      (tl.maximum(experts, 0) // experts_per_rank).to(tl.int32), mask_ptr,
+                                      combine_mask_ptr, NUM_RANKS, HAS_MASK, GPU)
             present = present & ~gave_up(flags, target)
             rows = tl.load(received + (token * MAX_TOPK + ks).to(tl.int64)[:, None] * HIDDEN + columns[None, :],
                            mask=present[:, None] & (columns < HIDDEN)[None, :], other=0.0, cache_modifier=".cg")

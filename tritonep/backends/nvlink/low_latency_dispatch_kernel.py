@@ -49,7 +49,7 @@ from .sync import (
     rank_masked,
     save_rank_mask,
     store_relaxed,
-    wait_all_or_mask,
+    wait_all_at_least,
 )
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 0)
@@ -196,9 +196,9 @@ def low_latency_dispatch_kernel(
             source = item % NUM_RANKS
             started = now_ns(GPU)
             target = (call << 32) + tl.zeros([RANKS_PAD], tl.int64)
-            flags = wait_all_or_mask(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks,
-                                     target, heard, mask_ptr, saved_mask_ptr, status_ptr, timeout_ns,
-                                     PHASE_LL_DISPATCH_DATA, ranks, NUM_RANKS, HAS_MASK, GPU)
+            flags = wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks,
+                                      target, heard, status_ptr, timeout_ns, PHASE_LL_DISPATCH_DATA, ranks, mask_ptr,
+                                      saved_mask_ptr, NUM_RANKS, HAS_MASK, GPU)
             heard = heard & ~gave_up(flags, target)   # shrink mode: a source that timed out sends nothing
             if HAS_WAIT_STATS:
                 waited = tl.where(rank_masked(masked, ranks, source), 0, now_ns(GPU) - started)

@@ -159,84 +159,60 @@ def last_program_done(done_ptr):
 
 
 @triton.jit
-def wait_all_at_least(pointers, targets, mask, status_ptr, timeout_ns, phase, peers, GPU: tl.constexpr):
-    """``wait_at_least`` on a vector of counters at once (lanes where ``mask``; every lane's
-    pointer must be valid): the polls of all lanes are in flight together instead of one
-    after another. Returns the values seen;
-    on timeout records the first lagging lane's ``peers`` entry and returns ``TIMED_OUT``-like
-    values (``targets + 2**56``) for the lanes still waiting."""
-    values = tl.where(mask, load_acquire(pointers, GPU), targets)
+def wait_all_at_least(pointers, targets, waiting, status_ptr, timeout_ns, phase, peers, mask_ptr, saved_mask_ptr,
+                      NUM_RANKS: tl.constexpr, SHRINK: tl.constexpr, GPU: tl.constexpr):
+    """``wait_at_least`` on a vector of counters at once (lanes where ``waiting``; every lane's
+    pointer must be valid): the polls of all lanes are in flight together instead of one after
+    another. Returns the values seen; lanes that gave up return ``targets + 2**56`` (see
+    ``gave_up``): above any real counter, and 0 in the low 32 bits, where the low-latency
+    dispatch flags carry their row counts.
+
+    On a time-out it records the first lagging lane's ``peers`` entry in the status word, and the
+    host raises. In shrink mode (``SHRINK``, DeepEP's enable_shrink; the low-latency kernels) a
+    peer that does not answer is masked instead, as DeepEP does: ``mask_ptr[peer]`` (the Buffer's
+    mask, what ``low_latency_query_mask_buffer`` shows) and ``saved_mask_ptr[peer]`` (the mask
+    this call uses, which its receive half or combine reads) become 1, and the status word gets a
+    notice with ``MASKED_BIT`` that the host turns into a warning. A lane also gives up at once
+    when its peer is in the call's mask already, put there by another program's time-out, so a
+    dead rank costs one time-out per launch, not one per wait. Only ``saved_mask_ptr`` is polled:
+    a mask the user changes while a call is in flight applies from the next call. Without
+    ``SHRINK`` the mask pointers are not touched."""
+    asked = waiting
+    if SHRINK:
+        waiting = waiting & (tl.load(saved_mask_ptr + peers, mask=waiting & (peers < NUM_RANKS), other=0,
+                                     volatile=True) == 0)
+    values = tl.where(waiting, load_acquire(pointers, GPU), targets)
     start = now_ns(GPU)
     spins = 0
     expired = tl.zeros((), dtype=tl.int1)
-    while (tl.sum((values < targets).to(tl.int32), axis=0) > 0) & (expired == 0):
-        values = tl.where(mask & (values < targets), load_acquire(pointers, GPU), values)
+    while (tl.sum((waiting & (values < targets)).to(tl.int32), axis=0) > 0) & (expired == 0):
+        lagging = waiting & (values < targets)
+        values = tl.where(lagging, load_acquire(pointers, GPU), values)
+        if SHRINK:
+            waiting = waiting & (tl.load(saved_mask_ptr + peers, mask=lagging, other=0, volatile=True) == 0)
         spins += 1
         if GPU:
             expired = (now_ns(GPU) - start) > timeout_ns
         else:
             expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
-    lagging = values < targets
-    # Only lanes still short count: the last poll may have seen the counter arrive just as the
-    # time ran out.
+    lagging = waiting & (values < targets)
+    # Only lanes still waiting count: in its last poll a lane may have seen its counter arrive,
+    # or its peer masked by another program, just as the time ran out.
     if expired & (tl.sum(lagging.to(tl.int32), axis=0) > 0):
-        peer = tl.min(tl.where(lagging, peers, 1 << 30), axis=0)
-        tl.store(status_ptr, tl.zeros((), tl.int64) + phase * 65536 + peer + 1)
-        values = tl.where(lagging, targets + (1 << 56), values)
+        code = tl.zeros((), tl.int64) + phase * 65536 + tl.min(tl.where(lagging, peers, 1 << 30), axis=0) + 1
+        if SHRINK:
+            tl.atomic_xchg(mask_ptr + peers, 1, mask=lagging, sem="relaxed")
+            tl.atomic_xchg(saved_mask_ptr + peers, 1, mask=lagging, sem="relaxed")
+            code += MASKED_BIT
+        tl.store(status_ptr, code)
+    values = tl.where(waiting & ~lagging, values, tl.where(asked, targets + (1 << 56), targets))
     tl.debug_barrier()
     return values
 
 
 @triton.jit
-def wait_all_or_mask(pointers, targets, waiting, mask_ptr, saved_mask_ptr, status_ptr, timeout_ns, phase, peers,
-                     NUM_RANKS: tl.constexpr, SHRINK: tl.constexpr, GPU: tl.constexpr):
-    """``wait_all_at_least`` for the low-latency kernels, which may run in shrink mode
-    (``SHRINK``, DeepEP's enable_shrink): there a peer that does not answer within the time-out
-    is masked instead of failing the call, as DeepEP does. Its lane gives up, ``mask_ptr[peer]``
-    (the Buffer's mask, what ``low_latency_query_mask_buffer`` shows) and ``saved_mask_ptr[peer]``
-    (the mask this call uses, which its receive half or combine reads) become 1, and the status
-    word gets a notice with ``MASKED_BIT`` that the host turns into a warning. A lane also gives
-    up at once when its peer is in that call mask already, put there by another program's
-    time-out: a dead rank costs one time-out per launch, not one per wait. Lanes that gave up return ``targets + 2**56``
-    (see ``gave_up``): above any real counter, and 0 in the low 32 bits, where the dispatch
-    flags carry their row counts. Only ``saved_mask_ptr`` is polled: a mask the user changes while
-    a call is in flight applies from the next call (the receive half keeps its send's mask)."""
-    if SHRINK:
-        asked = waiting
-        waiting = waiting & (tl.load(saved_mask_ptr + peers, mask=waiting & (peers < NUM_RANKS), other=0,
-                                     volatile=True) == 0)
-        values = tl.where(waiting, load_acquire(pointers, GPU), targets)
-        start = now_ns(GPU)
-        spins = 0
-        expired = tl.zeros((), dtype=tl.int1)
-        while (tl.sum(((values < targets) & waiting).to(tl.int32), axis=0) > 0) & (expired == 0):
-            lagging = waiting & (values < targets)
-            values = tl.where(lagging, load_acquire(pointers, GPU), values)
-            newly_masked = tl.load(saved_mask_ptr + peers, mask=lagging, other=0, volatile=True) != 0
-            waiting = waiting & ~newly_masked
-            spins += 1
-            if GPU:
-                expired = (now_ns(GPU) - start) > timeout_ns
-            else:
-                expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
-        lagging = waiting & (values < targets)
-        # Only lanes still waiting count: in its last poll a lane may have seen its counter
-        # arrive, or its peer masked by another program's time-out, just as the time ran out.
-        if expired & (tl.sum(lagging.to(tl.int32), axis=0) > 0):
-            tl.atomic_xchg(mask_ptr + peers, 1, mask=lagging, sem="relaxed")
-            tl.atomic_xchg(saved_mask_ptr + peers, 1, mask=lagging, sem="relaxed")
-            peer = tl.min(tl.where(lagging, peers, 1 << 30), axis=0)
-            tl.store(status_ptr, tl.zeros((), tl.int64) + phase * 65536 + peer + 1 + MASKED_BIT)
-        values = tl.where(waiting & ~lagging, values, tl.where(asked, targets + (1 << 56), targets))
-        tl.debug_barrier()
-    else:
-        values = wait_all_at_least(pointers, targets, waiting, status_ptr, timeout_ns, phase, peers, GPU)
-    return values
-
-
-@triton.jit
 def gave_up(values, targets):
-    """Lanes of ``wait_all_or_mask`` (or ``wait_all_at_least``) that stopped waiting."""
+    """Lanes of ``wait_all_at_least`` that stopped waiting (a time-out, or shrink mode's mask)."""
     return values >= targets + (1 << 56)
 
 
@@ -301,13 +277,13 @@ def begin_low_latency_send(control, sequence_sent, freed, sent_use, slot, masked
     peers write ``freed + slot * MAX_RANKS + peer``; ``sent_use + slot * MAX_RANKS + peer``
     holds that use, the previous one unless masks skipped the peer). Ranks in ``masked`` are
     not waited for: this send writes nothing into them. In shrink mode a rank that does not
-    answer in time joins them (``wait_all_or_mask``)."""
+    answer in time joins them (``wait_all_at_least``)."""
     call = load_acquire(control + sequence_sent + slot, GPU) + 1
     ranks = tl.arange(0, RANKS_PAD)
     words = slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1)
     last_written = tl.load(control + sent_use + words)
-    values = wait_all_or_mask(control + freed + words, last_written, (ranks < NUM_RANKS) & (masked == 0), mask_ptr,
-                              saved_mask_ptr, status_ptr, timeout_ns, phase, ranks, NUM_RANKS, SHRINK, GPU)
+    values = wait_all_at_least(control + freed + words, last_written, (ranks < NUM_RANKS) & (masked == 0), status_ptr,
+                               timeout_ns, phase, ranks, mask_ptr, saved_mask_ptr, NUM_RANKS, SHRINK, GPU)
     return call, masked | gave_up(values, last_written)
 
 
@@ -361,6 +337,6 @@ def barrier_unmasked(control, peer_base_ptrs, area, rank, masked, mask_ptr, barr
         if not rank_masked(masked, ranks, peer):
             peer_control = (tl.load(peer_base_ptrs + peer) + area).to(tl.pointer_type(tl.int64))
             store_relaxed(peer_control + barrier + rank, tl.sum(tl.where(ranks == peer, counts, 0), axis=0), GPU)
-    values = wait_all_or_mask(control + barrier + words, counts, linked, mask_ptr, mask_ptr, status_ptr, timeout_ns,
-                              phase, ranks, NUM_RANKS, SHRINK, GPU)
+    values = wait_all_at_least(control + barrier + words, counts, linked, status_ptr, timeout_ns, phase, ranks,
+                               mask_ptr, mask_ptr, NUM_RANKS, SHRINK, GPU)
     return masked | gave_up(values, counts)
