@@ -39,29 +39,8 @@ import torch.distributed as dist
 
 import tritonep
 from tritonep import bench_low_latency, utils
+from tritonep.bench_timing import flush_l2, load_deepep, slowest
 from tritonep.launch import RankPool
-
-_L2_FLUSH: dict = {}
-
-
-def flush_l2() -> None:
-    """Overwrite 256 MB (more than an H100/H200's 50-60 MB of L2) so that the next timed call
-    reads its inputs from HBM, as DeepEP's benchmarks do between calls."""
-    device = torch.cuda.current_device()
-    if device not in _L2_FLUSH:
-        _L2_FLUSH[device] = torch.empty(256 << 20, dtype=torch.int8, device=torch.device("cuda", device))
-    _L2_FLUSH[device].zero_()
-
-
-def load_deepep() -> tuple[object | None, str]:
-    """(DeepEP's ``deep_ep`` module, "") when it imports and is DeepEP itself, else (None, why)."""
-    try:
-        import deep_ep as module
-    except ImportError as error:
-        return None, f"DeepEP not found (import deep_ep: {error})"
-    if getattr(module, "__name__", "") != "deep_ep" or hasattr(module, "InputError"):
-        return None, "import deep_ep gave tritonep, not DeepEP"
-    return module, ""
 
 
 def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -91,10 +70,7 @@ def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, w
         values = [s.elapsed_time(e) * 1e3 for s, e in times]
     else:
         values = [t * 1e6 for t in times]
-    # Every rank reports the slowest rank's median: a collective call is as slow as its slowest rank.
-    median = torch.tensor([statistics.median(values)], dtype=torch.float64, device=align.device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
-    return float(median)
+    return slowest(group, statistics.median(values))
 
 
 def _pipelined_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) -> float:
@@ -109,9 +85,7 @@ def _pipelined_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int
         fn()
     end.record()
     torch.cuda.synchronize()
-    per_call = torch.tensor([start.elapsed_time(end) * 1e3 / iters], dtype=torch.float64, device="cuda")
-    dist.all_reduce(per_call, op=dist.ReduceOp.MAX, group=group)
-    return float(per_call)
+    return slowest(group, start.elapsed_time(end) * 1e3 / iters)
 
 
 def _make_routing(args: argparse.Namespace, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:

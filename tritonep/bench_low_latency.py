@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep
+from tritonep.bench_timing import flush_l2, load_deepep, slowest
 
 GRAPH_CALLS = 10
 
@@ -39,7 +40,7 @@ def _timed_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) ->
     """Median of ``iters`` timed calls after 3 untimed ones, on the slowest rank."""
     for _ in range(3):
         fn()
-    return _slowest(group, statistics.median(_one(group, fn) for _ in range(iters)))
+    return slowest(group, statistics.median(_one(group, fn) for _ in range(iters)))
 
 
 def _measure(group: dist.ProcessGroup, buffer, args: argparse.Namespace, x: torch.Tensor,
@@ -85,7 +86,7 @@ def _host_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) -> 
         begin = time.perf_counter_ns()
         fn()
         times.append((time.perf_counter_ns() - begin) / 1e3)
-    return _slowest(group, statistics.median(times[3:]))
+    return slowest(group, statistics.median(times[3:]))
 
 
 def _profiled_gpu_us(fn: Callable[[], object], iters: int) -> float:
@@ -102,14 +103,6 @@ def _profiled_gpu_us(fn: Callable[[], object], iters: int) -> float:
         torch.cuda.synchronize()
     device_events = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
     return sum(event.time_range.elapsed_us() for event in device_events) / iters
-
-
-def _slowest(group: dist.ProcessGroup, value: float) -> float:
-    """The largest ``value`` over the ranks (a collective call is as slow as its slowest rank)."""
-    on_gpu = dist.get_backend(group) == "nccl"
-    tensor = torch.tensor([value], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return float(tensor)
 
 
 def _hook_split(group, buffer, args, x, topk_idx, weights, expert_out, handle) -> dict:
@@ -132,8 +125,8 @@ def _hook_split(group, buffer, args, x, topk_idx, weights, expert_out, handle) -
         for _ in range(args.iters + 3):
             sends.append(_one(group, send))
             recvs.append(_one(group, run_hook))
-        times[f"{name}_send_us"] = _slowest(group, statistics.median(sends[3:]))
-        times[f"{name}_recv_us"] = _slowest(group, statistics.median(recvs[3:]))
+        times[f"{name}_send_us"] = slowest(group, statistics.median(sends[3:]))
+        times[f"{name}_recv_us"] = slowest(group, statistics.median(recvs[3:]))
     return times
 
 
@@ -145,8 +138,6 @@ def _one(group: dist.ProcessGroup, fn: Callable[[], object]) -> float:
         begin = time.perf_counter()
         fn()
         return (time.perf_counter() - begin) * 1e6
-    from .bench import flush_l2
-
     flush_l2()
     dist.all_reduce(torch.zeros(1, dtype=torch.float32, device="cuda"), group=group)
     torch.cuda.synchronize()
@@ -205,8 +196,6 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[
 
 def _deepep(group, args, x, topk_idx, weights, gpu: bool) -> dict:
     """DeepEP V1's low-latency calls on the same inputs (``--vs-deepep``), or why not."""
-    from .bench import load_deepep
-
     module, why = load_deepep()
     if module is None or not gpu:
         return {"missing": why or "DeepEP runs on GPUs only"}

@@ -1,0 +1,37 @@
+"""Timing pieces shared by the benchmark's normal-mode and low-latency parts: the L2 flush
+before each timed call, the slowest rank's figure, and finding DeepEP for ``--vs-deepep``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_L2_FLUSH: dict = {}
+
+
+def flush_l2() -> None:
+    """Overwrite 256 MB (more than an H100/H200's 50-60 MB of L2) so that the next timed call
+    reads its inputs from HBM, as DeepEP's benchmarks do between calls."""
+    device = torch.cuda.current_device()
+    if device not in _L2_FLUSH:
+        _L2_FLUSH[device] = torch.empty(256 << 20, dtype=torch.int8, device=torch.device("cuda", device))
+    _L2_FLUSH[device].zero_()
+
+
+def slowest(group: dist.ProcessGroup, value: float) -> float:
+    """The largest ``value`` over the ranks: a collective call is as slow as its slowest rank."""
+    on_gpu = dist.get_backend(group) == "nccl"
+    tensor = torch.tensor([value], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return float(tensor)
+
+
+def load_deepep() -> tuple[object | None, str]:
+    """(DeepEP's ``deep_ep`` module, "") when it imports and is DeepEP itself, else (None, why)."""
+    try:
+        import deep_ep as module
+    except ImportError as error:
+        return None, f"DeepEP not found (import deep_ep: {error})"
+    if getattr(module, "__name__", "") != "deep_ep" or hasattr(module, "InputError"):
+        return None, "import deep_ep gave tritonep, not DeepEP"
+    return module, ""
