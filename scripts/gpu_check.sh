@@ -6,7 +6,9 @@
 #     benchmark only; compat: the DeepEP compatibility tests and the host-path probe (plain and
 #     under DeepEP's torch defaults), which also run on a machine with one GPU; shared: the GPU
 #     tests at SHARED_RANKS ranks (default "2 4") on however many GPUs there are, ranks sharing
-#     GPUs (correctness across processes, not speed; see tritonep/launch.py).
+#     GPUs (correctness across processes, not speed; see tritonep/launch.py); host: the
+#     low-latency tests at HOST_RANKS ranks (default "1 2"), the host-path probe with cProfile
+#     and the NVSHMEM several-ranks-per-GPU probe, for a machine with one GPU.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -65,6 +67,31 @@ PYEOF
       2>&1 | grep -v Warning | tee -a "$OUT/host_path.log" | tail -45
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
+  exit $status
+fi
+
+if [ "$MODE" = host ]; then
+  # One GPU is enough: the low-latency tests at 1 and 2 ranks (the launch path changed), the
+  # host-path probe with a cProfile of every call, the dead-rank test, and whether NVSHMEM
+  # runs several ranks on one GPU (issue 12's simulated nodes on a one-GPU machine).
+  # At 1 rank every low-latency test but the race loop; at 2, the ones with peers in them.
+  for ranks in ${HOST_RANKS:-1 2}; do
+    selection="not race_loop"
+    [ "$ranks" = 1 ] || selection=${HOST_TESTS:-"benchmark_shape or micro or graph or dead_rank or stalled"}
+    echo "== low-latency GPU tests at $ranks rank(s): -k \"$selection\""
+    TRITONEP_GPU_RANKS=$ranks timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -rf \
+      tests/test_nvlink_low_latency.py tests/test_deep_ep_compat_low_latency.py -k "$selection" \
+      -p no:cacheprovider > "$OUT/gpu_tests_ll_$ranks.log" 2>&1
+    [ $? -eq 0 ] || status=1
+    grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_ll_$ranks.log" | tail -15
+  done
+  echo "== host path probe (cProfile per call)"
+  timeout 300 python3 scripts/host_path_probe.py --profile --json "$OUT/host_path.json" \
+    > "$OUT/host_path.log" 2>&1 || status=1
+  grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|graph_us|error" | head -60
+  echo "== NVSHMEM, two ranks on one GPU"
+  timeout 120 python3 scripts/nvshmem_shared_gpu_probe.py --ranks 2 > "$OUT/nvshmem_probe.log" 2>&1
+  echo "exit $?"; grep -E "^rank|FAILED|Error" "$OUT/nvshmem_probe.log" | head -12
   exit $status
 fi
 

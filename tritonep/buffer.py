@@ -45,8 +45,22 @@ def _without_torch_function(call: Callable) -> Callable:
 
 
 def _hook(receive: Callable[[], None] | None) -> Callable[[], None] | None:
-    """A receive hook, run like the call that made it (see _without_torch_function)."""
-    return None if receive is None else _without_torch_function(receive)
+    """A receive hook, run like the call that made it (see _without_torch_function). A plain
+    closure: functools.wraps would cost a decode-time call more than the rest of the hook."""
+    if receive is None:
+        return None
+
+    def hook() -> None:
+        with torch._C.DisableTorchFunction():
+            receive()
+    return hook
+
+
+def _fits(tensor: object, dtype: torch.dtype, shape: tuple[int, ...], on_gpu: bool) -> bool:
+    """A contiguous tensor of this dtype and exact shape on the Buffer's kind of device: the
+    per-call fast path of the low-latency checks (a miss runs the full checks, which say why)."""
+    return (isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.shape == shape
+            and tensor.is_cuda == on_gpu and tensor.is_contiguous())
 
 
 def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -167,6 +181,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self._low_latency_sizes_checked: set[tuple[int, int, int]] = set()
+        self._low_latency_options_checked: set[tuple] = set()   # option sets whose static checks passed
         self.buffer_id = next(_buffer_ids)
         self.backend: Backend = make_backend(self, kind)
         self.device = self.backend.device
@@ -481,9 +496,26 @@ class Buffer:
             hook: the receive hook when ``return_recv_hook``, else None.
         """
         self._check_alive()
-        request = self._check_low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        T, R, recv_stats, wait_stats = (num_max_dispatch_tokens_per_rank, self.group_size,
+                                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+        # Decode calls repeat one set of options: once those passed the full checks, a call only
+        # checks its tensors (a few attribute reads; see _fits).
+        on_gpu = self.device.type == "cuda"
+        options = (T, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+                   x.shape if isinstance(x, torch.Tensor) else None,
+                   topk_idx.shape if isinstance(topk_idx, torch.Tensor) else None)
+        if not (options in self._low_latency_options_checked
+                and _fits(x, torch.bfloat16, options[7], on_gpu) and _fits(topk_idx, torch.int64, options[8], on_gpu)
+                and (recv_stats is None or _fits(recv_stats, torch.int32, (num_experts // R,), on_gpu))
+                and (wait_stats is None or _fits(wait_stats, torch.int64, (R,), on_gpu))):
+            self._check_low_latency_dispatch(x, topk_idx, T, num_experts, recv_stats, wait_stats, use_fp8,
+                                             round_scale, use_ue8m0, async_finish, return_recv_hook)
+            self._low_latency_options_checked.add(options)
+        checks.check_expert_ids("topk_idx", topk_idx, num_experts)   # values: every call (free on the GPU)
+        request = LowLatencyDispatchRequest(
+            x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=num_experts, use_fp8=use_fp8,
+            round_scale=round_scale, use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=recv_stats,
+            dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook)
         stream = self.backend.low_latency_stream(async_finish)
         if stream is None:   # the caller's stream: nothing to order, no event (decode-time host cost)
             result = self.backend.low_latency_dispatch(request)
@@ -528,27 +560,19 @@ class Buffer:
             event, hook: as in low_latency_dispatch.
         """
         self._check_alive()
-        require(self.low_latency_mode, "low_latency_combine needs a Buffer made with low_latency_mode=True")
-        require(isinstance(handle, LowLatencyHandle), f"handle must come from low_latency_dispatch, got "
-                f"{type(handle).__name__}")
-        self._check_handle(handle, LowLatencyHandle)
-        require(not (async_finish and return_recv_hook), "async_finish and return_recv_hook cannot both be set")
-        _, _, T, hidden, num_experts = handle
-        R = self.group_size
-        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_experts // R, R * T, hidden),
-                            device=self.device)
-        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(None, None), device=self.device)
-        checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
-                            device=self.device)
-        require(topk_idx.shape[0] <= T, f"topk_idx has {topk_idx.shape[0]} tokens, more than T={T}")
-        checks.check_expert_ids("topk_idx", topk_idx, num_experts)
-        if out is not None:
-            checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden),
-                                device=self.device)
-        wait_stats = combine_wait_recv_cost_stats
-        if wait_stats is not None:
-            checks.check_tensor("combine_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(R,),
-                                device=self.device)
+        wait_stats, R, on_gpu = combine_wait_recv_cost_stats, self.group_size, self.device.type == "cuda"
+        # The fast path of the checks, as in low_latency_dispatch: a known handle and tensors that fit.
+        if not (type(handle) is LowLatencyHandle and handle.buffer_id == self.buffer_id  # noqa: E721
+                and not (async_finish and return_recv_hook) and isinstance(topk_idx, torch.Tensor)
+                and topk_idx.dim() == 2 and topk_idx.shape[0] <= handle[2]
+                and _fits(x, torch.bfloat16, (handle[4] // R, R * handle[2], handle[3]), on_gpu)
+                and _fits(topk_idx, torch.int64, topk_idx.shape, on_gpu)
+                and _fits(topk_weights, torch.float32, topk_idx.shape, on_gpu)
+                and (out is None or _fits(out, torch.bfloat16, (topk_idx.shape[0], handle[3]), on_gpu))
+                and (wait_stats is None or _fits(wait_stats, torch.int64, (R,), on_gpu))):
+            self._check_low_latency_combine(x, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out,
+                                            wait_stats)
+        checks.check_expert_ids("topk_idx", topk_idx, handle[4])   # values: every call (free on the GPU)
         stream = self.backend.low_latency_stream(async_finish)
         if stream is None:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
@@ -675,9 +699,32 @@ class Buffer:
                 f"{self.num_rdma_bytes}")
         self._low_latency_sizes_checked.add((T, hidden, num_experts))
 
+    def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out,
+                                   wait_stats) -> None:
+        """Every check of low_latency_combine but the expert ids' values."""
+        require(self.low_latency_mode, "low_latency_combine needs a Buffer made with low_latency_mode=True")
+        require(isinstance(handle, LowLatencyHandle), f"handle must come from low_latency_dispatch, got "
+                f"{type(handle).__name__}")
+        self._check_handle(handle, LowLatencyHandle)
+        require(not (async_finish and return_recv_hook), "async_finish and return_recv_hook cannot both be set")
+        _, _, T, hidden, num_experts = handle
+        R = self.group_size
+        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_experts // R, R * T, hidden),
+                            device=self.device)
+        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(None, None), device=self.device)
+        checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
+                            device=self.device)
+        require(topk_idx.shape[0] <= T, f"topk_idx has {topk_idx.shape[0]} tokens, more than T={T}")
+        if out is not None:
+            checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden),
+                                device=self.device)
+        if wait_stats is not None:
+            checks.check_tensor("combine_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(R,),
+                                device=self.device)
+
     def _check_low_latency_dispatch(self, x, topk_idx, T, num_experts, recv_stats, wait_stats, use_fp8,
-                                    round_scale, use_ue8m0, async_finish, return_recv_hook
-                                    ) -> LowLatencyDispatchRequest:
+                                    round_scale, use_ue8m0, async_finish, return_recv_hook) -> None:
+        """Every check of low_latency_dispatch but the expert ids' values."""
         require(self.low_latency_mode, "low_latency_dispatch needs a Buffer made with low_latency_mode=True")
         R = self.group_size
         checks.check_num_experts(num_experts, R)
@@ -687,7 +734,6 @@ class Buffer:
         require(num_tokens <= T, f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={T}")
         checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=self.device)
         require(topk_idx.shape[1] <= 11, f"low-latency mode supports top-k <= 11, got {topk_idx.shape[1]}")
-        checks.check_expert_ids("topk_idx", topk_idx, num_experts)
         if use_fp8:
             require(hidden % 128 == 0, f"fp8 low-latency dispatch needs hidden to be a multiple of 128, got {hidden}")
         require(not use_ue8m0 or (use_fp8 and round_scale), "use_ue8m0 needs use_fp8=True and round_scale=True")
@@ -702,8 +748,4 @@ class Buffer:
             checks.check_tensor("dispatch_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(R,),
                                 device=self.device)
         self._check_low_latency_size(T, hidden, num_experts)
-        return LowLatencyDispatchRequest(
-            x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=num_experts, use_fp8=use_fp8,
-            round_scale=round_scale, use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=recv_stats,
-            dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook)
 

@@ -1,14 +1,20 @@
 """Launching a Triton kernel with as little host work as possible.
 
 ``kernel[grid](...)`` binds the arguments, computes a specialisation key and looks the
-compiled kernel up on every call: tens of microseconds for kernels with many arguments,
-which a decode-time call cannot afford.
-``FastLauncher`` does that once per specialisation and afterwards calls the compiled kernel
-directly. Its key holds what Triton specialises our arguments on: the constexpr values,
-which pointers are 16-byte aligned, and for integers whether they need 64 bits and, unless
-the kernel lists them in ``do_not_specialize``, whether they equal 1 or divide by 16. A key
-seen for the first time goes through ``kernel[grid]`` (which compiles only if Triton's own
-cache misses). Under the interpreter it is a plain ``kernel[grid](...)``.
+compiled kernel up on every call; Triton's C launcher then calls ``data_ptr()`` and the driver's
+``cuPointerGetAttribute`` for every tensor. For a decode-time call with twenty-odd arguments
+that is tens of microseconds, more than the kernel.
+
+``FastLauncher`` does that work once per *setup*: the caller names the arguments that change
+from call to call (``changing``) and passes a hashable ``setup`` key that stands for all the
+others and the constexprs (equal keys promise equal values). The first call of a setup goes
+through ``kernel[grid]`` (which compiles only if Triton's own cache misses) and keeps the
+compiled kernel with its argument list in raw form: tensors as device addresses. Later calls
+of that setup convert only the changing arguments to addresses, check that they still fall in
+the same specialisation (Triton specialises pointers on 16-byte alignment and integers on
+being 1 or a multiple of 16, unless the kernel lists them in ``do_not_specialize``), and call
+Triton's compiled launcher with plain integers, which it passes to ``cuLaunchKernelEx`` as
+they are. Under the interpreter every call is a plain ``kernel[grid](...)``.
 """
 
 from __future__ import annotations
@@ -20,34 +26,70 @@ import torch
 from .sync import INTERPRET
 
 
-def _arg_kind(value: Any, specialised: bool) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr() % 16 == 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        fits_32_bits = -2**31 <= value < 2**31
-        return (fits_32_bits, value == 1, value % 16 == 0) if specialised else fits_32_bits
-    return value   # anything else (None, floats) is part of the key as it is
+def _kinds(raw: list[int]) -> tuple[int, ...]:
+    """For raw arguments (addresses and ints), what Triton may specialise them on: dividing by 16
+    (a 16-byte aligned address), being 1, fitting in 32 bits. Finer than Triton's own key for
+    arguments it does not specialise, which only costs a second setup entry, never a wrong one."""
+    return tuple([(value & 15 == 0) + 2 * (value == 1) + 4 * (-2**31 <= value < 2**31) for value in raw])
+
+
+def current_stream() -> int:
+    """The raw handle of the current CUDA stream, without making a torch Stream object."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+class _Setup:
+    """A compiled kernel and its raw argument list, constexprs included (Triton's launcher
+    takes them and skips them)."""
+
+    __slots__ = ("args", "launch", "grid", "function", "metadata", "cooperative", "pdl", "fallback")
+
+    def __init__(self, compiled: Any, grid: int, raw_args: list) -> None:
+        run = compiled.run
+        self.args, self.grid = raw_args, grid
+        self.function, self.metadata = compiled.function, compiled.packed_metadata
+        if getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0:
+            # Triton's C entry point itself: nothing to allocate per launch.
+            self.launch, self.cooperative, self.pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+        else:
+            self.launch, self.fallback = None, run
+
+    def __call__(self, stream: int) -> None:
+        if self.launch is not None:
+            self.launch(self.grid, 1, 1, stream, self.function, self.cooperative, self.pdl, None, None,
+                        self.metadata, None, None, None, *self.args)
+        else:
+            self.fallback(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *self.args)
 
 
 class FastLauncher:
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, changing: tuple[str, ...]) -> None:
+        """``changing``: names of the arguments (tensors or ints) that may differ between calls of
+        one setup."""
         self.kernel = kernel
         self.names = kernel.arg_names
-        # (The interpreter's functions have no params; they never reach the fast path.)
-        self.specialised = [not param.do_not_specialize for param in getattr(kernel, "params", ())]
-        self.compiled: dict[tuple, Any] = {}
+        self.changing = tuple(self.names.index(name) for name in changing)
+        self.setups: dict[Any, _Setup] = {}
 
-    def __call__(self, grid: int, args: tuple, constants: dict[str, Any], num_warps: int) -> None:
-        """``args``: the non-constexpr arguments in order; ``constants``: the constexprs by name."""
+    def __call__(self, grid: int, setup: Any, args: tuple, constants: dict[str, Any], num_warps: int) -> None:
+        """``args``: the non-constexpr arguments in order; ``constants``: the constexprs by name;
+        ``setup``: hashable, equal only for calls whose non-changing arguments, constants, grid and
+        num_warps are equal."""
         if INTERPRET:
             self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
             return
-        kinds = tuple(_arg_kind(value, specialised) for value, specialised in zip(args, self.specialised))
-        key = (tuple(constants.values()), kinds, num_warps)
-        compiled = self.compiled.get(key)
-        if compiled is None:
-            self.compiled[key] = self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
+        stream = current_stream()
+        changing = [value.data_ptr() if isinstance(value, torch.Tensor) else value
+                    for value in map(args.__getitem__, self.changing)]
+        key = (setup, _kinds(changing))
+        known = self.setups.get(key)
+        if known is not None:
+            raw = known.args
+            for i, value in zip(self.changing, changing):
+                raw[i] = value
+            known(stream)
             return
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
-                     *[constants[name] for name in self.names[len(args):]])
+        # First call of this setup and specialisation: Triton binds, compiles if needed, launches.
+        compiled = self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
+        raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
+        self.setups[key] = _Setup(compiled, grid, raw + [constants[name] for name in self.names[len(args):]])

@@ -45,8 +45,14 @@ from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatenc
 from .memory import SymmetricBuffer
 from .sync import GPU_KERNELS, INTERPRET, MASKED_BIT, masked_after_timeout_message, timeout_error
 
-_DISPATCH = FastLauncher(low_latency_dispatch_kernel)
-_COMBINE = FastLauncher(low_latency_combine_kernel)
+# What may change between two calls of one setup; the other arguments are fixed by the setup
+# key each call passes (its shape and slot: the per-slot outputs, the slot offsets).
+_DISPATCH = FastLauncher(low_latency_dispatch_kernel, changing=(
+    "x_ptr", "x_row_stride", "topk_idx_ptr", "num_tokens", "recv_stats_ptr", "wait_stats_ptr", "mask_ptr"))
+_COMBINE = FastLauncher(low_latency_combine_kernel, changing=(
+    "x_ptr", "expert_stride", "row_stride", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr", "topk_idx_ptr",
+    "topk_weights_ptr", "num_tokens", "out_ptr", "out_row_stride", "wait_stats_ptr", "mask_ptr",
+    "dispatch_mask_ptr"))
 
 
 @dataclass
@@ -108,6 +114,7 @@ class LowLatencyEngine:
         self.status_address = self.status.data_ptr()
         self._status_view = self.status.numpy()   # reading it costs no torch dispatch
         self._dispatch_plans: dict[tuple, tuple] = {}
+        self._variant_constants: dict[tuple, dict] = {}   # (setup, DO_SEND, DO_RECV) -> constexprs
         self._regions_cache: dict[tuple, LowLatencyRegions] = {}
         self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
         if INTERPRET:
@@ -124,6 +131,7 @@ class LowLatencyEngine:
         # Shrink mode: the ranks each combine slot's call skips, saved by its send half for its
         # receive half.
         self.combine_masks = torch.zeros(2, self.num_ranks, dtype=torch.int32, device=device)
+        self._combine_mask_rows = (self.combine_masks[0], self.combine_masks[1])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier(group=group)
@@ -153,12 +161,18 @@ class LowLatencyEngine:
         self._regions_cache[(T, hidden, num_experts)] = regions
         return regions
 
-    def _launch(self, kernel: FastLauncher, args: tuple, constants: dict,
+    def _launch(self, kernel: FastLauncher, setup: tuple, args: tuple, constants: Callable[[], dict],
                 with_hook: bool) -> Callable[[], None] | None:
-        """Launch send and receive as one kernel, or the send now and return the receive."""
+        """Launch send and receive as one kernel, or the send now and return the receive.
+        ``setup`` stands for everything but the launcher's changing arguments (see FastLauncher)
+        and ``constants`` makes the constexprs, needed only the first time a setup is seen."""
         def run(do_send: bool, do_recv: bool) -> None:
-            kernel(self.num_programs, args, {**constants, "DO_SEND": do_send, "DO_RECV": do_recv, "GPU": GPU_KERNELS},
-                   self.warps)
+            variant = (setup, do_send, do_recv)
+            variant_constants = self._variant_constants.get(variant)
+            if variant_constants is None:
+                variant_constants = {**constants(), "DO_SEND": do_send, "DO_RECV": do_recv, "GPU": GPU_KERNELS}
+                self._variant_constants[variant] = variant_constants
+            kernel(self.num_programs, variant, args, variant_constants, self.warps)
 
         if with_hook:
             run(True, False)
@@ -171,9 +185,9 @@ class LowLatencyEngine:
         return None
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch_outputs(self, request: LowLatencyDispatchRequest, hidden: int, num_topk: int, slot: int) -> tuple:
-        """(constants, regions, outputs) of a dispatch shape; outputs are made once per slot and
-        reused by every second call: SPEC allows two low-latency results alive, no more, and
+    def _dispatch_plan(self, request: LowLatencyDispatchRequest, hidden: int, num_topk: int, slot: int) -> tuple:
+        """(key, constants, regions, outputs) of a dispatch shape; outputs are made once per slot
+        and reused by every second call: SPEC allows two low-latency results alive, no more, and
         allocating five tensors costs more host time than the kernel."""
         T, num_experts = request.num_max_dispatch_tokens_per_rank, request.num_experts
         key = (T, hidden, num_experts, num_topk, request.use_fp8, request.round_scale, request.use_ue8m0, slot)
@@ -205,7 +219,7 @@ class LowLatencyEngine:
             PAIRS_PAD=_pow2(max(T * num_topk, 16)), USE_FP8=request.use_fp8, ROUND_SCALE=request.round_scale,
             USE_UE8M0=request.use_ue8m0, GROUPS_PAD=_pow2(max(hidden // 128, 4)), RANKS_PAD=_pow2(R), ROWS=self.rows,
             CAST_GROUPS=min(self.cast_groups, _pow2(max(hidden // 128, 1))), BLOCK=2048)
-        self._dispatch_plans[key] = (constants, regions, outputs)
+        self._dispatch_plans[key] = (key, constants, regions, outputs)
         return self._dispatch_plans[key]
 
     def dispatch(self, request: LowLatencyDispatchRequest,
@@ -215,33 +229,33 @@ class LowLatencyEngine:
         x, topk_idx = request.x, request.topk_idx
         if not topk_idx.is_contiguous():
             topk_idx = topk_idx.contiguous()
-        T, num_experts = request.num_max_dispatch_tokens_per_rank, request.num_experts
         num_tokens, hidden = x.shape
-        if hidden % 2 or x.stride(1) != 1:
-            raise InputError(f"the NVLink low-latency dispatch needs x with unit column stride and an even hidden, "
-                             f"got hidden={hidden}, strides {tuple(x.stride())}")
-        if request.use_fp8:
-            x_arg, x_row_stride = x, x.stride(0)
-        else:
-            x_arg, x_row_stride = x.view(torch.int32), x.stride(0) // 2
+        x_row_stride, x_column_stride = x.stride()
+        if hidden % 2 or x_column_stride != 1 or x_row_stride % 2:   # bf16 rows move as int32 words
+            raise InputError(f"the NVLink low-latency dispatch needs x with unit column stride, an even row stride "
+                             f"and an even hidden, got hidden={hidden}, strides {tuple(x.stride())}")
         recv_stats = request.cumulative_local_expert_recv_stats
         wait_stats = request.dispatch_wait_recv_cost_stats
-        constants, regions, outputs = self._dispatch_outputs(request, hidden, topk_idx.shape[1],
-                                                             self.dispatch_order.next_slot)
+        key, constants, regions, outputs = self._dispatch_plan(request, hidden, topk_idx.shape[1],
+                                                               self.dispatch_order.next_slot)
         packed, packed_words, scales_storage, packed_count, src_info, layout_range, topk_slot, dispatch_mask = outputs
         call, slot = self.dispatch_order.start(request.return_recv_hook)
         state = LowLatencyState(topk_slot, dispatch_mask)
-        args = (x_arg, x_row_stride, topk_idx, num_tokens, packed_words, scales_storage,
+        # The launcher's changing arguments (see _DISPATCH) come first; the rest is fixed by `key`.
+        args = (x, x_row_stride, topk_idx, num_tokens, packed_words, scales_storage,
                 src_info, topk_slot, layout_range, packed_count,
                 recv_stats if recv_stats is not None else packed_count,
                 wait_stats if wait_stats is not None else layout_range,
                 rank_mask if rank_mask is not None else dispatch_mask, dispatch_mask,
                 self.memory.peer_base_ptrs, self.area, slot, regions.dispatch_slot_bytes, self.rank,
-                self.status_address, self.timeout_ns, T, num_experts // self.num_ranks)
-        constants = {**constants, "HAS_RECV_STATS": recv_stats is not None, "HAS_WAIT_STATS": wait_stats is not None,
-                     "HAS_MASK": rank_mask is not None}
-        receive = self._launch(_DISPATCH, args, constants, request.return_recv_hook)
-        handle = LowLatencyHandle(src_info, layout_range, T, hidden, num_experts, self.buffer_id, state)
+                self.status_address, self.timeout_ns, request.num_max_dispatch_tokens_per_rank,
+                request.num_experts // self.num_ranks)
+        flags = (recv_stats is not None, wait_stats is not None, rank_mask is not None)
+        receive = self._launch(_DISPATCH, (key, flags), args, lambda: {
+            **constants, "HAS_RECV_STATS": flags[0], "HAS_WAIT_STATS": flags[1], "HAS_MASK": flags[2]},
+            request.return_recv_hook)
+        handle = LowLatencyHandle(src_info, layout_range, request.num_max_dispatch_tokens_per_rank, hidden,
+                                  request.num_experts, self.buffer_id, state)
         if receive is None:
             state.received = True
             return LowLatencyDispatchResult(packed, packed_count, handle, None)
@@ -268,27 +282,37 @@ class LowLatencyEngine:
         src_info, layout_range, T, hidden, num_experts = handle
         source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
         self.combine_buffer_index ^= 1
-        if source.stride(2) != 1 or source.stride(0) % 2 or source.stride(1) % 2:
+        expert_stride, row_stride, column_stride = source.stride()
+        if column_stride != 1 or expert_stride % 2 or row_stride % 2:   # rows move as int32 words
             source = source.contiguous()
-        regions = self._regions(T, hidden, num_experts)
-        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+            expert_stride, row_stride, _ = source.stride()
+        if not topk_idx.is_contiguous():
+            topk_idx = topk_idx.contiguous()
+        if not topk_weights.is_contiguous():
+            topk_weights = topk_weights.contiguous()
         num_tokens, num_topk = topk_idx.shape
         if out is None:
             out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self.device)
         target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
         call, slot = self.combine_order.start(return_recv_hook)
-        combine_mask = self.combine_masks[slot]
-        args = (source.view(torch.int32), source.stride(0) // 2, source.stride(1) // 2, src_info,
-                state.topk_slot, layout_range, topk_idx, topk_weights, num_tokens, target, target.stride(0),
+        combine_mask = self._combine_mask_rows[slot]
+        regions = self._regions(T, hidden, num_experts)
+        # The launcher's changing arguments (see _COMBINE) come first; the rest is fixed by `key`.
+        args = (source, expert_stride, row_stride, src_info, state.topk_slot, layout_range, topk_idx, topk_weights,
+                num_tokens, target, target.stride(0),
                 wait_stats if wait_stats is not None else layout_range,
                 rank_mask if rank_mask is not None else combine_mask, state.dispatch_mask, combine_mask,
                 self.memory.peer_base_ptrs, self.area, slot, regions.combine_offset, regions.combine_slot_bytes,
                 self.rank, self.status_address, self.timeout_ns, T, num_experts // self.num_ranks)
-        constants = dict(NUM_RANKS=self.num_ranks, RANKS_PAD=_pow2(self.num_ranks), HIDDEN=hidden, NUM_TOPK=num_topk,
-                         TOPK_PAD=_pow2(num_topk), HAS_WAIT_STATS=wait_stats is not None,
-                         HAS_MASK=rank_mask is not None, ROWS=self.rows, BLOCK=2048,
-                         REDUCE_BLOCK=min(_pow2(hidden), 2048))
-        receive = self._launch(_COMBINE, args, constants, return_recv_hook)
+        key = (T, hidden, num_experts, num_topk, wait_stats is not None, rank_mask is not None, slot)
+
+        def constants() -> dict:
+            return dict(NUM_RANKS=self.num_ranks, RANKS_PAD=_pow2(self.num_ranks), HIDDEN=hidden, NUM_TOPK=num_topk,
+                        TOPK_PAD=_pow2(num_topk), HAS_WAIT_STATS=wait_stats is not None,
+                        HAS_MASK=rank_mask is not None, ROWS=self.rows, BLOCK=2048,
+                        REDUCE_BLOCK=min(_pow2(hidden), 2048))
+
+        receive = self._launch(_COMBINE, key, args, constants, return_recv_hook)
 
         def copy_back() -> None:
             if target is not out:

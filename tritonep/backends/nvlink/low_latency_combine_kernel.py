@@ -74,7 +74,8 @@ def low_latency_combine_kernel(
     DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     REDUCE_BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
-    """``x_ptr``: int32 view of the expert outputs [E/R, R*T, H] (strides in int32 words);
+    """``x_ptr``: the bf16 expert outputs [E/R, R*T, H] (even strides, in elements; rows move as
+    int32 words);
     ``out_ptr``: bf16 [N, H]. ``status_address``: pinned host int64 for timeouts. Masks
     (shrink mode): int32 [R] each, this rank's now, its dispatch's, and this combine's (written
     by the send half)."""
@@ -84,6 +85,7 @@ def low_latency_combine_kernel(
     my_area = tl.load(peer_base_ptrs + rank) + area
     control = my_area.to(tl.pointer_type(tl.int64))
     WORDS: tl.constexpr = HIDDEN // 2
+    x_words = x_ptr.to(tl.pointer_type(tl.int32))
     ranks = tl.arange(0, RANKS_PAD)
     # The ranks this combine skips: masked now or at the dispatch (the receive half reuses them).
     if DO_SEND:
@@ -113,8 +115,8 @@ def low_latency_combine_kernel(
                 row_ok = first + tl.arange(0, ROWS) < count
                 token = tl.load(src_info_ptr + expert_rows + rows, mask=row_ok, other=0)
                 topk_slot = tl.load(topk_slot_ptr + expert_rows + rows, mask=row_ok, other=0).to(tl.int32)
-                copy_rows(x_ptr + local_expert * expert_stride.to(tl.int64), rows, row_stride, 1, receive_slot,
-                          token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
+                copy_rows(x_words + local_expert * (expert_stride // 2).to(tl.int64), rows, row_stride // 2, 1,
+                          receive_slot, token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
         # One fence for all of this program's rows, then the flags: no round trip per item.
         fence_system(GPU)
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):

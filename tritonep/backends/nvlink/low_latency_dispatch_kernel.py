@@ -85,10 +85,12 @@ def _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_bl
             cast_rows_to_messages(x_ptr, token, x_row_stride, row_ok, message_rows, HIDDEN, DATA_WORDS, ROUND_SCALE,
                                   CAST_GROUPS, GPU)
         else:
-            # bf16 rows travel as they are: here ``x_ptr`` is an int32 view, two channels a word.
+            # bf16 rows travel as they are, two channels an int32 word (the row stride is even).
             words = tl.arange(0, HIDDEN_PAD // 2)
             word_mask = row_ok[:, None] & (words < DATA_WORDS)[None, :]
-            values = tl.load(x_ptr + token.to(tl.int64)[:, None] * x_row_stride + words[None, :], mask=word_mask)
+            x_words = x_ptr.to(tl.pointer_type(tl.int32))
+            values = tl.load(x_words + token.to(tl.int64)[:, None] * (x_row_stride // 2) + words[None, :],
+                             mask=word_mask)
             tl.store(message + words[None, :], values, mask=word_mask)
         header = message + DATA_WORDS + SCALE_WORDS
         tl.store(header, token[:, None], mask=row_ok[:, None])
@@ -129,8 +131,8 @@ def low_latency_dispatch_kernel(
     DO_RECV: tl.constexpr, GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, ROWS: tl.constexpr,
     CAST_GROUPS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
-    """``x_ptr`` is bf16 [N, H] for fp8 sends, else its int32 view (``x_row_stride`` in its
-    elements). ``out_x_ptr`` is the int32 view of packed_recv_x; ``out_scales_ptr`` its scales
+    """``x_ptr`` is bf16 [N, H] (``x_row_stride`` even, in elements). ``out_x_ptr`` is the int32
+    view of packed_recv_x; ``out_scales_ptr`` its scales
     (column-major per expert, ``SCALE_COLUMNS`` columns). ``status_address``: pinned host int64
     that a timed-out wait writes (phase, peer) into. ``mask_ptr``: this rank's int32 [R] mask
     (shrink mode); ``saved_mask_ptr``: int32 [R], the mask this dispatch used (in its handle)."""

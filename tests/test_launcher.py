@@ -1,0 +1,84 @@
+"""FastLauncher's bookkeeping, on the CPU: a stand-in for a Triton JIT function records what
+would reach ``cuLaunchKernelEx``. (The real kernels go through it in every GPU test.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritonep.backends.nvlink import launcher
+
+
+class _Run:
+    """Triton's compiled launcher: its C entry point and the metadata read by _Setup."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = 0
+
+    def __init__(self, launches: list) -> None:
+        self.launches = launches
+
+    def launch(self, *call) -> None:
+        self.launches.append(("fast", call[0], call[3], call[13:]))
+
+
+class _Compiled:
+    function, packed_metadata = 1234, (4, 1, 0)
+
+    def __init__(self, launches: list) -> None:
+        self.run = _Run(launches)
+
+
+class _Kernel:
+    """``kernel[grid](*args, **constants)`` as Triton does it: launch, return the compiled kernel."""
+
+    arg_names = ["x_ptr", "n", "out_ptr", "BLOCK"]
+
+    def __init__(self) -> None:
+        self.launches: list = []
+
+    def __getitem__(self, grid):
+        def bind(*args, num_warps, **constants):
+            self.launches.append(("bind", grid[0], args, constants))
+            return _Compiled(self.launches)
+        return bind
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(launcher, "INTERPRET", False)
+    monkeypatch.setattr(launcher, "current_stream", lambda: 77)
+    return _Kernel()
+
+
+def test_first_call_binds_then_launches_raw_addresses(kernel) -> None:
+    fast = launcher.FastLauncher(kernel, changing=("x_ptr", "n"))
+    x, out = torch.zeros(64), torch.zeros(64)
+    fast(8, "setup", (x, 32, out), {"BLOCK": 128}, 4)
+    assert kernel.launches[-1][0] == "bind"
+    y = torch.zeros(64)
+    fast(8, "setup", (y, 48, out), {"BLOCK": 128}, 4)
+    # Same setup, same specialisation: the compiled launcher gets addresses and the new ints.
+    assert kernel.launches[-1] == ("fast", 8, 77, (y.data_ptr(), 48, out.data_ptr(), 128))
+    assert len(kernel.launches) == 2
+
+
+def test_new_specialisation_or_setup_binds_again(kernel) -> None:
+    fast = launcher.FastLauncher(kernel, changing=("x_ptr", "n"))
+    base, out = torch.zeros(64), torch.zeros(64)
+    fast(8, "setup", (base, 32, out), {"BLOCK": 128}, 4)
+    fast(8, "setup", (base[1:], 32, out), {"BLOCK": 128}, 4)    # address no longer 16-byte aligned
+    fast(8, "setup", (base, 1, out), {"BLOCK": 128}, 4)         # n == 1 is a specialisation
+    fast(8, "other", (base, 32, out), {"BLOCK": 256}, 4)        # another setup
+    assert [entry[0] for entry in kernel.launches] == ["bind"] * 4
+    fast(8, "setup", (base[1:], 32, out), {"BLOCK": 128}, 4)    # each is known from now on
+    fast(8, "setup", (base, 1, out), {"BLOCK": 128}, 4)
+    assert [entry[0] for entry in kernel.launches[4:]] == ["fast", "fast"]
+    assert kernel.launches[-2][3][0] == base[1:].data_ptr()
+
+
+def test_kinds_follow_triton_specialisation() -> None:
+    assert launcher._kinds([16]) != launcher._kinds([17])
+    assert launcher._kinds([1]) != launcher._kinds([17])
+    assert launcher._kinds([2**31]) != launcher._kinds([2**31 - 16])
+    assert launcher._kinds([32, 48]) == launcher._kinds([64, 80])
