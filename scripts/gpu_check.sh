@@ -89,6 +89,12 @@ if [ "$MODE" = host ]; then
   timeout 300 python3 scripts/host_path_probe.py --profile --json "$OUT/host_path.json" \
     > "$OUT/host_path.log" 2>&1 || status=1
   grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|graph_us|error" | head -60
+  if [ -n "${BASELINE:-}" ]; then   # the package before a change, same run (A/B)
+    echo "== host path probe, baseline package $BASELINE (low latency only)"
+    PYTHONPATH="$BASELINE:$PYTHONPATH" timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
+      --json "$OUT/host_path_baseline.json" > "$OUT/host_path_baseline.log" 2>&1 || status=1
+    grep -E "host_us|gpu_us|graph_us|error" "$OUT/host_path_baseline.log" | head -12
+  fi
   echo "== NVSHMEM, two ranks on one GPU"
   timeout 120 python3 scripts/nvshmem_shared_gpu_probe.py --ranks 2 > "$OUT/nvshmem_probe.log" 2>&1
   echo "exit $?"; grep -E "^rank|FAILED|Error" "$OUT/nvshmem_probe.log" | head -12
