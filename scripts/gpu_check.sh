@@ -6,9 +6,9 @@
 #     benchmark only; compat: the DeepEP compatibility tests and the host-path probe (plain and
 #     under DeepEP's torch defaults), which also run on a machine with one GPU; shared: the GPU
 #     tests at SHARED_RANKS ranks (default "2 4") on however many GPUs there are, ranks sharing
-#     GPUs (correctness across processes, not speed; see tritonep/launch.py); host: the
-#     low-latency tests at HOST_RANKS ranks (default "1 2"), the host-path probe with cProfile
-#     and the NVSHMEM several-ranks-per-GPU probe, for a machine with one GPU.
+#     GPUs (correctness across processes, not speed; see tritonep/launch.py); host: for a
+#     machine with one GPU, the GPU tests at HOST_RANKS ranks (default 1), the host-path probes
+#     (A/B against BASELINE=path when set) and DeepEP's low-latency calls side by side.
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -71,33 +71,43 @@ PYEOF
 fi
 
 if [ "$MODE" = host ]; then
-  # One GPU is enough: the low-latency tests at 1 and 2 ranks (the launch path changed), the
-  # host-path probe with a cProfile of every call, the dead-rank test, and whether NVSHMEM
-  # runs several ranks on one GPU (issue 12's simulated nodes on a one-GPU machine).
-  # At 1 rank every low-latency test but the race loop; at 2, the ones with peers in them.
-  for ranks in ${HOST_RANKS:-1 2}; do
-    selection="not race_loop"
-    [ "$ranks" = 1 ] || selection=${HOST_TESTS:-"benchmark_shape or micro or graph or dead_rank or stalled"}
-    echo "== low-latency GPU tests at $ranks rank(s): -k \"$selection\""
-    TRITONEP_GPU_RANKS=$ranks timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -rf \
-      tests/test_nvlink_low_latency.py tests/test_deep_ep_compat_low_latency.py -k "$selection" \
-      -p no:cacheprovider > "$OUT/gpu_tests_ll_$ranks.log" 2>&1
+  # One GPU is enough: the GPU tests at HOST_RANKS ranks (sharing the GPU), the host-path
+  # probes, DeepEP's low-latency calls side by side when .bench_deps holds its sources, and
+  # (HOST_NVSHMEM=1) whether NVSHMEM runs several ranks on one GPU.
+  for ranks in ${HOST_RANKS:-1}; do
+    echo "== GPU tests at $ranks rank(s): ${HOST_TESTS:-all but the race loops}"
+    TRITONEP_GPU_RANKS=$ranks timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -rf \
+      tests/test_nvlink.py tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py \
+      tests/test_deep_ep_compat_low_latency.py -k "${HOST_TESTS:-not race_loop}" \
+      -p no:cacheprovider > "$OUT/gpu_tests_$ranks.log" 2>&1
     [ $? -eq 0 ] || status=1
-    grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_ll_$ranks.log" | tail -15
+    grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_$ranks.log" | tail -15
   done
-  echo "== host path probe (cProfile per call)"
-  timeout 300 python3 scripts/host_path_probe.py --profile --json "$OUT/host_path.json" \
+  echo "== host path probe${HOST_PROFILE:+ (cProfile per call)}"
+  timeout 300 python3 scripts/host_path_probe.py ${HOST_PROFILE:+--profile} --json "$OUT/host_path.json" \
     > "$OUT/host_path.log" 2>&1 || status=1
-  grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|graph_us|error" | head -60
+  grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|graph_us|error" | head -40
   if [ -n "${BASELINE:-}" ]; then   # the package before a change, same run (A/B)
-    echo "== host path probe, baseline package $BASELINE (low latency only)"
-    PYTHONPATH="$BASELINE:$PYTHONPATH" timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
+    echo "== host path probe, baseline package $BASELINE"
+    PYTHONPATH="$BASELINE:$PYTHONPATH" timeout 150 python3 scripts/host_path_probe.py \
       --json "$OUT/host_path_baseline.json" > "$OUT/host_path_baseline.log" 2>&1 || status=1
-    grep -E "host_us|gpu_us|graph_us|error" "$OUT/host_path_baseline.log" | head -12
+    grep -E "host_us|gpu_us|graph_us|error" "$OUT/host_path_baseline.log" | head -30
   fi
-  echo "== NVSHMEM, two ranks on one GPU"
-  timeout 120 python3 scripts/nvshmem_shared_gpu_probe.py --ranks 2 > "$OUT/nvshmem_probe.log" 2>&1
-  echo "exit $?"; grep -E "^rank|FAILED|Error" "$OUT/nvshmem_probe.log" | head -12
+  echo "== launch cost, layer by layer"
+  timeout 120 python3 scripts/launch_cost_probe.py --json "$OUT/launch_cost.json" 2>&1 | grep -v Warning | tail -16
+  if [ -f .bench_deps/build_on_device.sh ]; then
+    echo "== building DeepEP V1; low-latency benchmark side by side"
+    timeout 300 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1 \
+      && export PYTHONPATH="/tmp/deepep:$PYTHONPATH" || echo "DeepEP build failed: see deepep_build.log"
+    timeout 200 python3 -m tritonep.bench --gpu --skip-normal --vs-deepep --hidden 7168 --ll-tokens 128 \
+      --ll-experts 288 --out "$OUT" 2>&1 | grep -v Warning \
+      | tee "$OUT/bench_ll.log" | tail -30
+  fi
+  if [ -n "${HOST_NVSHMEM:-}" ]; then
+    echo "== NVSHMEM, two ranks on one GPU"
+    timeout 120 python3 scripts/nvshmem_shared_gpu_probe.py --ranks 2 > "$OUT/nvshmem_probe.log" 2>&1
+    echo "exit $?"; grep -E "^rank|FAILED|Error|MPG" "$OUT/nvshmem_probe.log" | head -12
+  fi
   exit $status
 fi
 

@@ -321,13 +321,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vs-deepep", action="store_true",
                         help="also DeepEP V1 (import deep_ep) on the same inputs, when it imports")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
+    parser.add_argument("--gpu", action="store_true",
+                        help="GPU ranks (one per GPU) even on a machine with one GPU, where the default is CPU ranks")
     parser.add_argument("--ll-tokens", type=int, default=128 if gpus >= 2 else 16,
                         help="low-latency part: tokens per rank (T)")
     parser.add_argument("--ll-experts", type=int, default=288 if gpus >= 2 else 16)
     parser.add_argument("--skip-normal", action="store_true", help="only the low-latency part")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
-    use_gpu = gpus >= 2 and not args.cpu
+    use_gpu = (gpus >= 2 or (args.gpu and gpus >= 1)) and not args.cpu
     backends = ["nvlink", "collective"] if use_gpu else ["collective"]
     with RankPool(args.ranks if not use_gpu else min(args.ranks, gpus), use_gpu=use_gpu, timeout=1200) as pool:
         report = {} if args.skip_normal else pool.run(run_rank, args)[0]

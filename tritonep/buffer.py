@@ -185,6 +185,7 @@ class Buffer:
         self.buffer_id = next(_buffer_ids)
         self.backend: Backend = make_backend(self, kind)
         self.device = self.backend.device
+        self._on_gpu = self.device.type == "cuda"
         if enable_shrink:
             self.backend.rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._destroyed = False
@@ -500,7 +501,7 @@ class Buffer:
                                         cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
         # Decode calls repeat one set of options: once those passed the full checks, a call only
         # checks its tensors (a few attribute reads; see _fits).
-        on_gpu = self.device.type == "cuda"
+        on_gpu = self._on_gpu
         options = (T, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
                    x.shape if isinstance(x, torch.Tensor) else None,
                    topk_idx.shape if isinstance(topk_idx, torch.Tensor) else None)
@@ -560,7 +561,7 @@ class Buffer:
             event, hook: as in low_latency_dispatch.
         """
         self._check_alive()
-        wait_stats, R, on_gpu = combine_wait_recv_cost_stats, self.group_size, self.device.type == "cuda"
+        wait_stats, R, on_gpu = combine_wait_recv_cost_stats, self.group_size, self._on_gpu
         # The fast path of the checks, as in low_latency_dispatch: a known handle and tensors that fit.
         if not (type(handle) is LowLatencyHandle and handle.buffer_id == self.buffer_id  # noqa: E721
                 and not (async_finish and return_recv_hook) and isinstance(topk_idx, torch.Tensor)

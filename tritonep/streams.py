@@ -31,6 +31,25 @@ class StreamScope:
                 self.keep(*item)
 
 
+class _StreamSwitch:
+    """What ``on_comm_stream`` needs per communication stream, made once: ``torch.cuda.stream``,
+    ``current_stream`` and ``wait_stream`` are Python-heavy and create an event per call, tens
+    of microseconds for a host path that should cost a few. The two events are re-recorded
+    every call (a wait takes the event's state at the time of the wait)."""
+
+    def __init__(self) -> None:
+        self.to_comm, self.to_compute = torch.cuda.Event(), torch.cuda.Event()
+        self.streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+    def current(self) -> tuple[tuple[int, int, int], torch.cuda.Stream]:
+        """The current stream of the current device, as ids and as a (cached) Stream."""
+        ids = tuple(torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice()))
+        stream = self.streams.get(ids)
+        if stream is None:
+            stream = self.streams[ids] = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+        return ids, stream
+
+
 @contextmanager
 def on_comm_stream(
     comm_stream: torch.cuda.Stream | None,
@@ -42,13 +61,21 @@ def on_comm_stream(
     if comm_stream is None:
         yield scope
         return
-    compute_stream = torch.cuda.current_stream()
+    switch = getattr(comm_stream, "_tritonep_switch", None)   # made once, lives with the stream
+    if switch is None:
+        switch = comm_stream._tritonep_switch = _StreamSwitch()
+    compute_ids, compute_stream = switch.current()
     if previous_event is not None and previous_event.event is not None:
         comm_stream.wait_event(previous_event.event)
     else:
-        comm_stream.wait_stream(compute_stream)
-    with torch.cuda.stream(comm_stream):
+        switch.to_comm.record(compute_stream)
+        comm_stream.wait_event(switch.to_comm)
+    torch._C._cuda_setStream(stream_id=comm_stream.stream_id, device_index=comm_stream.device_index,
+                             device_type=comm_stream.device_type)
+    try:
         yield scope
+    finally:   # (also makes the compute stream's device current again)
+        torch._C._cuda_setStream(stream_id=compute_ids[0], device_index=compute_ids[1], device_type=compute_ids[2])
     if async_finish:
         # Inputs stay in use on the communication stream after we return.
         for tensor in _flatten(inputs):
@@ -57,7 +84,8 @@ def on_comm_stream(
         event.record(comm_stream)
         scope.event = EventOverlap(event, extra_tensors=tuple(_flatten(inputs)))
     else:
-        compute_stream.wait_stream(comm_stream)
+        switch.to_compute.record(comm_stream)
+        compute_stream.wait_event(switch.to_compute)
     for tensor in scope.outputs:
         tensor.record_stream(compute_stream)
 

@@ -23,11 +23,15 @@ from ...routing import count_matrix_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_kernel import combine_kernel
 from .dispatch_kernel import dispatch_kernel
+from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
 from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import notify_dispatch
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
+
+_DISPATCH = FastLauncher(dispatch_kernel)
+_COMBINE = FastLauncher(combine_kernel)
 
 
 @dataclass
@@ -266,7 +270,7 @@ class NvlinkBackend(Backend):
         words = x.view(torch.int32) if x.dim() == 2 else x
         scale_view = scales.view(torch.int32) if scales is not None else words
         t = self.tuning
-        dispatch_kernel[(senders + receivers,)](
+        _DISPATCH(senders + receivers, None, (
             words, x_words, scale_view, max(scale_words, 1),
             scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
             request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
@@ -277,12 +281,13 @@ class NvlinkBackend(Backend):
             self.memory.peer_base_ptrs, *regions, capacity,
             self.rank, self.dispatch_epoch, self.dispatch_released, max(request.num_experts // R, 1), self.status,
             self.timeout_ns,
+        ), dict(
             TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=min(_pow2(x_words), t.block),
-            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS, num_warps=t.warps,
-        )
+            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
+        ), t.warps)
         self.dispatch_released += receivers
         self._after_launch()
         if handle is None:
@@ -312,21 +317,21 @@ class NvlinkBackend(Backend):
         if hidden % 2:
             raise InputError(f"the NVLink backend moves combine rows in 4-byte words; hidden must be even, "
                              f"got {hidden}")
-        combine_kernel[(senders + reducers,)](
+        _COMBINE(senders + reducers, None, (
             x, x.view(torch.int32), topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
             handle.is_token_in_rank,
             plan.send_pos, bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x,
             out, out_weights if out_weights is not None else out, num_tokens, hidden,
             self.memory.peer_base_ptrs, *regions, capacity,
             self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns,
+        ), dict(
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
             NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
             ROWS=t.rows, COPY_BLOCK=min(_pow2(hidden // 2), t.block), BLOCK=min(_pow2(hidden), t.combine_block),
             TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
-            num_warps=t.warps,
-        )
+        ), t.warps)
         self.combine_released += reducers
         self._after_launch()
         return out, out_weights

@@ -63,29 +63,34 @@ class _Setup:
 
 
 class FastLauncher:
-    def __init__(self, kernel: Any, changing: tuple[str, ...]) -> None:
+    def __init__(self, kernel: Any, changing: tuple[str, ...] | None = None) -> None:
         """``changing``: names of the arguments (tensors or ints) that may differ between calls of
-        one setup."""
+        one setup; None: all of them (every call then converts every argument, still far cheaper
+        than Triton's binder)."""
         self.kernel = kernel
         self.names = kernel.arg_names
-        self.changing = tuple(self.names.index(name) for name in changing)
+        self.changing = None if changing is None else tuple(self.names.index(name) for name in changing)
         self.setups: dict[Any, _Setup] = {}
 
     def __call__(self, grid: int, setup: Any, args: tuple, constants: dict[str, Any], num_warps: int) -> None:
-        """``args``: the non-constexpr arguments in order; ``constants``: the constexprs by name;
-        ``setup``: hashable, equal only for calls whose non-changing arguments, constants, grid and
-        num_warps are equal."""
+        """``args``: the non-constexpr arguments in order (tensors or ints); ``constants``: the
+        constexprs by name; ``setup``: hashable, equal only for calls whose non-changing arguments,
+        constants, grid and num_warps are equal, or None to derive it from grid, num_warps and
+        constants (right when every argument is changing)."""
         if INTERPRET:
             self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
             return
         stream = current_stream()
+        positions = self.changing if self.changing is not None else range(len(args))
         changing = [value.data_ptr() if isinstance(value, torch.Tensor) else value
-                    for value in map(args.__getitem__, self.changing)]
+                    for value in map(args.__getitem__, positions)]
+        if setup is None:
+            setup = (grid, num_warps, *constants.values())
         key = (setup, _kinds(changing))
         known = self.setups.get(key)
         if known is not None:
             raw = known.args
-            for i, value in zip(self.changing, changing):
+            for i, value in zip(positions, changing):
                 raw[i] = value
             known(stream)
             return

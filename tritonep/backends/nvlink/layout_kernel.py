@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import FastLauncher
+
 
 @triton.jit
 def dispatch_layout_kernel(
@@ -40,6 +42,9 @@ def dispatch_layout_kernel(
     tl.atomic_add(num_tokens_per_rank_ptr + ranks, tl.sum(in_rank, axis=0), mask=rank_mask)
 
 
+_LAYOUT = FastLauncher(dispatch_layout_kernel)
+
+
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
                     invalid_ids: torch.Tensor | None = None, block_n: int = 128
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,10 +59,9 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
     num_tokens_per_rank, num_tokens_per_expert = counts[:num_ranks], counts[num_ranks:]
     is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
     if num_tokens > 0:
-        dispatch_layout_kernel[(triton.cdiv(num_tokens, block_n),)](
-            topk_idx, num_tokens, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
-            invalid_ids, num_experts, num_experts // num_ranks,
-            NUM_TOPK=num_topk, TOPK_PAD=triton.next_power_of_2(num_topk), NUM_RANKS=num_ranks,
-            RANKS_PAD=triton.next_power_of_2(num_ranks), BLOCK_N=block_n, num_warps=4,
-        )
+        _LAYOUT(triton.cdiv(num_tokens, block_n), None,
+                (topk_idx, num_tokens, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, invalid_ids,
+                 num_experts, num_experts // num_ranks),
+                dict(NUM_TOPK=num_topk, TOPK_PAD=triton.next_power_of_2(num_topk), NUM_RANKS=num_ranks,
+                     RANKS_PAD=triton.next_power_of_2(num_ranks), BLOCK_N=block_n), 4)
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank

@@ -45,14 +45,14 @@ from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatenc
 from .memory import SymmetricBuffer
 from .sync import GPU_KERNELS, INTERPRET, MASKED_BIT, masked_after_timeout_message, timeout_error
 
-# What may change between two calls of one setup; the other arguments are fixed by the setup
-# key each call passes (its shape and slot: the per-slot outputs, the slot offsets).
-_DISPATCH = FastLauncher(low_latency_dispatch_kernel, changing=(
-    "x_ptr", "x_row_stride", "topk_idx_ptr", "num_tokens", "recv_stats_ptr", "wait_stats_ptr", "mask_ptr"))
-_COMBINE = FastLauncher(low_latency_combine_kernel, changing=(
-    "x_ptr", "expert_stride", "row_stride", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr", "topk_idx_ptr",
-    "topk_weights_ptr", "num_tokens", "out_ptr", "out_row_stride", "wait_stats_ptr", "mask_ptr",
-    "dispatch_mask_ptr"))
+# The kernels' arguments that may change between two calls of one setup. The others are fixed
+# by the engine (its memory, rank, status word) and by the setup key each call passes (shape,
+# options and slot: the per-slot outputs, the slot offsets), so each engine has its launchers.
+_DISPATCH_CHANGING = ("x_ptr", "x_row_stride", "topk_idx_ptr", "num_tokens", "recv_stats_ptr", "wait_stats_ptr",
+                      "mask_ptr")
+_COMBINE_CHANGING = ("x_ptr", "expert_stride", "row_stride", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr",
+                     "topk_idx_ptr", "topk_weights_ptr", "num_tokens", "out_ptr", "out_row_stride", "wait_stats_ptr",
+                     "mask_ptr", "dispatch_mask_ptr")
 
 
 @dataclass
@@ -127,6 +127,8 @@ class LowLatencyEngine:
         self.warps = int(os.environ.get("TRITONEP_LL_WARPS", "16"))
         self.dispatch_order = CallOrder("low_latency_dispatch")
         self.combine_order = CallOrder("low_latency_combine")
+        self._dispatch_launcher = FastLauncher(low_latency_dispatch_kernel, _DISPATCH_CHANGING)
+        self._combine_launcher = FastLauncher(low_latency_combine_kernel, _COMBINE_CHANGING)
         self.combine_buffer_index = 0
         # Shrink mode: the ranks each combine slot's call skips, saved by its send half for its
         # receive half.
@@ -161,28 +163,29 @@ class LowLatencyEngine:
         self._regions_cache[(T, hidden, num_experts)] = regions
         return regions
 
-    def _launch(self, kernel: FastLauncher, setup: tuple, args: tuple, constants: Callable[[], dict],
+    def _launch(self, launcher: FastLauncher, setup: tuple, args: tuple, constants: Callable[[], dict],
                 with_hook: bool) -> Callable[[], None] | None:
         """Launch send and receive as one kernel, or the send now and return the receive.
         ``setup`` stands for everything but the launcher's changing arguments (see FastLauncher)
         and ``constants`` makes the constexprs, needed only the first time a setup is seen."""
-        def run(do_send: bool, do_recv: bool) -> None:
-            variant = (setup, do_send, do_recv)
-            variant_constants = self._variant_constants.get(variant)
-            if variant_constants is None:
-                variant_constants = {**constants(), "DO_SEND": do_send, "DO_RECV": do_recv, "GPU": GPU_KERNELS}
-                self._variant_constants[variant] = variant_constants
-            kernel(self.num_programs, variant, args, variant_constants, self.warps)
-
         if with_hook:
-            run(True, False)
-            return lambda: run(False, True)
+            self._run(launcher, setup, args, constants, True, False)
+            return lambda: self._run(launcher, setup, args, constants, False, True)
         if INTERPRET:   # the interpreter runs programs one after another: send before receiving
-            run(True, False)
-            run(False, True)
+            self._run(launcher, setup, args, constants, True, False)
+            self._run(launcher, setup, args, constants, False, True)
         else:
-            run(True, True)
+            self._run(launcher, setup, args, constants, True, True)
         return None
+
+    def _run(self, launcher: FastLauncher, setup: tuple, args: tuple, constants: Callable[[], dict], do_send: bool,
+             do_recv: bool) -> None:
+        variant = (setup, do_send, do_recv)
+        variant_constants = self._variant_constants.get(variant)
+        if variant_constants is None:
+            variant_constants = {**constants(), "DO_SEND": do_send, "DO_RECV": do_recv, "GPU": GPU_KERNELS}
+            self._variant_constants[variant] = variant_constants
+        launcher(self.num_programs, variant, args, variant_constants, self.warps)
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch_plan(self, request: LowLatencyDispatchRequest, hidden: int, num_topk: int, slot: int) -> tuple:
@@ -241,7 +244,7 @@ class LowLatencyEngine:
         packed, packed_words, scales_storage, packed_count, src_info, layout_range, topk_slot, dispatch_mask = outputs
         call, slot = self.dispatch_order.start(request.return_recv_hook)
         state = LowLatencyState(topk_slot, dispatch_mask)
-        # The launcher's changing arguments (see _DISPATCH) come first; the rest is fixed by `key`.
+        # The launcher's changing arguments (_DISPATCH_CHANGING) come first; the rest is fixed by `key`.
         args = (x, x_row_stride, topk_idx, num_tokens, packed_words, scales_storage,
                 src_info, topk_slot, layout_range, packed_count,
                 recv_stats if recv_stats is not None else packed_count,
@@ -251,7 +254,7 @@ class LowLatencyEngine:
                 self.status_address, self.timeout_ns, request.num_max_dispatch_tokens_per_rank,
                 request.num_experts // self.num_ranks)
         flags = (recv_stats is not None, wait_stats is not None, rank_mask is not None)
-        receive = self._launch(_DISPATCH, (key, flags), args, lambda: {
+        receive = self._launch(self._dispatch_launcher, (key, flags), args, lambda: {
             **constants, "HAS_RECV_STATS": flags[0], "HAS_WAIT_STATS": flags[1], "HAS_MASK": flags[2]},
             request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, request.num_max_dispatch_tokens_per_rank, hidden,
@@ -297,7 +300,7 @@ class LowLatencyEngine:
         call, slot = self.combine_order.start(return_recv_hook)
         combine_mask = self._combine_mask_rows[slot]
         regions = self._regions(T, hidden, num_experts)
-        # The launcher's changing arguments (see _COMBINE) come first; the rest is fixed by `key`.
+        # The launcher's changing arguments (_COMBINE_CHANGING) come first; the rest is fixed by `key`.
         args = (source, expert_stride, row_stride, src_info, state.topk_slot, layout_range, topk_idx, topk_weights,
                 num_tokens, target, target.stride(0),
                 wait_stats if wait_stats is not None else layout_range,
@@ -312,7 +315,7 @@ class LowLatencyEngine:
                         HAS_MASK=rank_mask is not None, ROWS=self.rows, BLOCK=2048,
                         REDUCE_BLOCK=min(_pow2(hidden), 2048))
 
-        receive = self._launch(_COMBINE, key, args, constants, return_recv_hook)
+        receive = self._launch(self._combine_launcher, key, args, constants, return_recv_hook)
 
         def copy_back() -> None:
             if target is not out:

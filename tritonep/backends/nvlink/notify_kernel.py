@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launcher import FastLauncher
 from .memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
 from .sync import GPU_KERNELS, PHASE_NOTIFY, publish, wait_at_least
 
@@ -94,6 +95,9 @@ def notify_dispatch_kernel(
         tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, tl.sum(invalid, axis=0))
 
 
+_NOTIFY = FastLauncher(notify_dispatch_kernel)
+
+
 def notify_dispatch(
     memory: SymmetricBuffer,
     is_token_in_rank: torch.Tensor,
@@ -121,14 +125,15 @@ def notify_dispatch(
     result = torch.empty(num_ranks * num_ranks + experts_per_rank + 2, dtype=torch.int32, device=device) \
         if exchange else None
     layout = memory.signals
-    notify_dispatch_kernel[(1,)](
+    _NOTIFY(1, None, (
         is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, signature,
         token_list, token_list.stride(0), send_pos, result if exchange else send_pos,
         memory.peer_base_ptrs, memory.rank, notify_epoch, max(experts_per_rank, 1), status, timeout_ns,
+    ), dict(
         NOTIFY_FLAG_WORD=layout.notify_flag, PAYLOAD_BYTE_OFFSET=layout.notify_payload * 8,
         PAYLOAD_WORDS=layout.payload_words, EXPERT_WORDS=MAX_LOCAL_EXPERTS, SIGNATURE=SIGNATURE_WORDS,
         NUM_RANKS=num_ranks, RANKS_PAD=triton.next_power_of_2(num_ranks),
         EXPERTS_PAD=triton.next_power_of_2(max(experts_per_rank, 1)), BLOCK_T=256, EXCHANGE=exchange,
-        GPU=GPU_KERNELS, num_warps=4,
-    )
+        GPU=GPU_KERNELS,
+    ), 4)
     return token_list, send_pos, result
