@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|ll|compat|shared]
+#   bash scripts/gpu_check.sh [quick|full|ll|compat|shared|host|sweep]
 #     quick: a subset of the GPU tests, no benchmark sweep; ll: the low-latency tests and
-#     benchmark only; compat: the DeepEP compatibility tests and the host-path probe (plain and
+#     benchmark only; sweep: the low-latency kernels over LL_SWEEP shapes (ll_sweep); compat: the DeepEP compatibility tests and the host-path probe (plain and
 #     under DeepEP's torch defaults), which also run on a machine with one GPU; shared: the GPU
 #     tests at SHARED_RANKS ranks (default "2 4") on however many GPUs there are, ranks sharing
 #     GPUs (correctness across processes, not speed; see tritonep/launch.py); host: for a
@@ -28,20 +28,17 @@ status=0
 } > "$OUT/system.txt" 2>&1
 cat "$OUT/system.txt"
 
-if [ "$MODE" = compat ]; then
-  echo "== compatibility tests (R = $(nvidia-smi -L | wc -l) GPUs)"
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_deep_ep_compat.py tests/test_deep_ep_compat_low_latency.py -p no:cacheprovider \
-    2>&1 | tee "$OUT/gpu_compat_tests.log" | tail -25
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  # The low-latency kernels alone (CUDA-graph replay) over their tile shapes: LL_SWEEP lists
-  # cast_groups:rows:warps; with BASELINE=path also a package copy from before a change (its
-  # default shape), for an A/B in the same run.
-  for shape in ${LL_SWEEP:-64:2:16 64:4:16 16:4:8 64:2:8}; do
-    IFS=: read -r groups rows warps <<< "$shape"
-    echo "== low-latency kernels: cast_groups $groups, rows $rows, warps $warps"
-    TRITONEP_LL_CAST_GROUPS=$groups TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps timeout 150 \
-      python3 scripts/host_path_probe.py --only-low-latency --json "$OUT/ll_$groups-$rows-$warps.json" \
-      2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
+# The low-latency kernels alone (CUDA-graph replay) over their tile shapes: LL_SWEEP lists
+# cast_groups:rows:warps[:programs per SM]; with BASELINE=path also a package copy from before a
+# change (its default shape), for an A/B in the same run.
+ll_sweep() {
+  for shape in ${LL_SWEEP:-64:2:16:1 64:4:16:1 16:4:8:1 64:2:8:1}; do
+    IFS=: read -r groups rows warps per_sm <<< "$shape"
+    per_sm=${per_sm:-1}
+    echo "== low-latency kernels: cast_groups $groups, rows $rows, warps $warps, programs per SM $per_sm"
+    TRITONEP_LL_CAST_GROUPS=$groups TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps \
+      TRITONEP_LL_PROGRAMS_PER_SM=$per_sm timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
+      --json "$OUT/ll_$groups-$rows-$warps-$per_sm.json" 2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
   done
   if [ -n "${BASELINE:-}" ]; then
     echo "== low-latency kernels: baseline package $BASELINE"
@@ -53,14 +50,27 @@ if [ "$MODE" = compat ]; then
 import glob, json, os, sys
 merged = {}
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "ll_*.json"))):
-    name = os.path.basename(path)[len("ll_"):-len(".json")]
-    merged[name] = report = json.load(open(path))[0]
-    os.remove(path)
-    cells = [f"{call} {report[call].get('graph_us')} us (host {report[call].get('host_us')})"
-             for call in ("ll_dispatch", "ll_dispatch_bf16", "ll_combine") if call in report]
-    print(f"{name:<12}", " | ".join(cells))
+  name = os.path.basename(path)[len("ll_"):-len(".json")]
+  merged[name] = report = json.load(open(path))[0]
+  os.remove(path)
+  cells = [f"{call} {report[call].get('graph_us')} us (host {report[call].get('host_us')})"
+           for call in ("ll_dispatch", "ll_dispatch_bf16", "ll_combine") if call in report]
+  print(f"{name:<12}", " | ".join(cells))
 json.dump(merged, open(os.path.join(sys.argv[1], "ll_sweep.json"), "w"), indent=1)
 PYEOF
+}
+
+if [ "$MODE" = sweep ]; then
+  ll_sweep
+  exit $status
+fi
+
+if [ "$MODE" = compat ]; then
+  echo "== compatibility tests (R = $(nvidia-smi -L | wc -l) GPUs)"
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu tests/test_deep_ep_compat.py tests/test_deep_ep_compat_low_latency.py -p no:cacheprovider \
+    2>&1 | tee "$OUT/gpu_compat_tests.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  ll_sweep
   for defaults in "" --defaults; do
     echo "== host path probe $defaults"
     timeout 240 python3 scripts/host_path_probe.py $defaults --json "$OUT/host_path${defaults:+_defaults}.json" \

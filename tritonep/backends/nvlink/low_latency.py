@@ -120,7 +120,11 @@ class LowLatencyEngine:
         if INTERPRET:
             self.num_programs = 3
         else:
-            self.num_programs = torch.cuda.get_device_properties(device).multi_processor_count
+            # One program per SM by default: a single-launch call has receivers waiting for senders
+            # of the same launch, so every program must be resident. TRITONEP_LL_PROGRAMS_PER_SM
+            # (benchmark sweeps only) tries more, smaller programs.
+            self.num_programs = torch.cuda.get_device_properties(device).multi_processor_count \
+                * int(os.environ.get("TRITONEP_LL_PROGRAMS_PER_SM", "1"))
         self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "2"))
         # Groups of 128 channels the fp8 cast takes per step (a power of two; whole rows by default).
         self.cast_groups = int(os.environ.get("TRITONEP_LL_CAST_GROUPS", "64"))
