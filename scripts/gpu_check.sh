@@ -3,8 +3,9 @@
 # Logs and JSON go to $OUT (the device tool brings that folder back).
 #   bash scripts/gpu_check.sh [quick|full|ll|compat|shared|host|sweep]
 #     quick: a subset of the GPU tests, no benchmark sweep; ll: the low-latency tests and
-#     benchmark only; sweep: the low-latency kernels over LL_SWEEP shapes (ll_sweep); compat: the DeepEP compatibility tests and the host-path probe (plain and
-#     under DeepEP's torch defaults), which also run on a machine with one GPU; shared: the GPU
+#     benchmark only; sweep: the low-latency kernels over LL_SWEEP shapes (ll_sweep); compat:
+#     the DeepEP compatibility tests, ll_sweep and the host-path probe (plain and under
+#     DeepEP's torch defaults), which also run on a machine with one GPU; shared: the GPU
 #     tests at SHARED_RANKS ranks (default "2 4") on however many GPUs there are, ranks sharing
 #     GPUs (correctness across processes, not speed; see tritonep/launch.py); host: for a
 #     machine with one GPU, the GPU tests at HOST_RANKS ranks (default 1), the host-path probes
