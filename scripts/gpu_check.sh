@@ -30,16 +30,16 @@ status=0
 cat "$OUT/system.txt"
 
 # The low-latency kernels alone (CUDA-graph replay) over their tile shapes: LL_SWEEP lists
-# rows:warps[:programs per SM]; with BASELINE=path also a package copy from before a change (its
-# default shape), for an A/B in the same run.
+# cast_groups:rows:warps[:programs per SM]; with BASELINE=path also a package copy from before a
+# change (its default shape), for an A/B in the same run.
 ll_sweep() {
-  for shape in ${LL_SWEEP:-2:16:1 4:16:1 2:8:1 2:8:2}; do
-    IFS=: read -r rows warps per_sm <<< "$shape"
+  for shape in ${LL_SWEEP:-64:2:16:1 64:4:16:1 16:4:8:1 64:2:8:1}; do
+    IFS=: read -r groups rows warps per_sm <<< "$shape"
     per_sm=${per_sm:-1}
-    echo "== low-latency kernels: rows $rows, warps $warps, programs per SM $per_sm"
-    TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps TRITONEP_LL_PROGRAMS_PER_SM=$per_sm timeout 150 \
-      python3 scripts/host_path_probe.py --only-low-latency --json "$OUT/ll_$rows-$warps-$per_sm.json" 2>&1 \
-      | grep -v Warning >> "$OUT/ll_sweep.log"
+    echo "== low-latency kernels: cast_groups $groups, rows $rows, warps $warps, programs per SM $per_sm"
+    TRITONEP_LL_CAST_GROUPS=$groups TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps \
+      TRITONEP_LL_PROGRAMS_PER_SM=$per_sm timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
+      --json "$OUT/ll_$groups-$rows-$warps-$per_sm.json" 2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
   done
   if [ -n "${BASELINE:-}" ]; then
     echo "== low-latency kernels: baseline package $BASELINE"

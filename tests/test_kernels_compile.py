@@ -119,7 +119,7 @@ def test_low_latency_dispatch_kernel_compiles(do_send: bool, do_recv: bool, use_
         dict(NUM_RANKS=num_ranks, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=use_fp8,
              ROUND_SCALE=use_ue8m0, USE_UE8M0=use_ue8m0, HAS_RECV_STATS=True, HAS_WAIT_STATS=True,
              HAS_MASK=has_mask, DO_SEND=do_send, DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=_pow2(num_ranks), ROWS=2,
-             BLOCK=2048),
+             CAST_GROUPS=64, BLOCK=2048),
         num_warps=16)
     if use_fp8 and do_send:
         assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]

@@ -126,6 +126,8 @@ class LowLatencyEngine:
             self.num_programs = torch.cuda.get_device_properties(device).multi_processor_count \
                 * int(os.environ.get("TRITONEP_LL_PROGRAMS_PER_SM", "1"))
         self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "2"))
+        # Groups of 128 channels the fp8 cast takes per step (a power of two; whole rows by default).
+        self.cast_groups = int(os.environ.get("TRITONEP_LL_CAST_GROUPS", "64"))
         self.warps = int(os.environ.get("TRITONEP_LL_WARPS", "16"))
         self.dispatch_order = CallOrder("low_latency_dispatch")
         self.combine_order = CallOrder("low_latency_combine")
@@ -223,7 +225,7 @@ class LowLatencyEngine:
             NUM_RANKS=R, HIDDEN=hidden, HIDDEN_PAD=_pow2(max(hidden, 128)), NUM_TOPK=num_topk,
             PAIRS_PAD=_pow2(max(T * num_topk, 16)), USE_FP8=request.use_fp8, ROUND_SCALE=request.round_scale,
             USE_UE8M0=request.use_ue8m0, GROUPS_PAD=_pow2(max(hidden // 128, 4)), RANKS_PAD=_pow2(R), ROWS=self.rows,
-            BLOCK=2048)
+            CAST_GROUPS=min(self.cast_groups, _pow2(max(hidden // 128, 1))), BLOCK=2048)
         self._dispatch_plans[key] = (key, constants, regions, outputs)
         return self._dispatch_plans[key]
 

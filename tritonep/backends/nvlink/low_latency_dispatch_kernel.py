@@ -1,15 +1,12 @@
 """Low-latency dispatch over NVLink: one kernel, no host synchronisation, CUDA-graph safe.
 
-Send (``DO_SEND``): program p takes tokens p, p+P, ... It reads and casts a token's row once
-(fp8, or keeps bf16) and stores the message into the receive slot of each of its top-k
-experts' ranks, at the fixed block ``[local expert, source = us]``, message number = the
-number of earlier (token, k) pairs routed to that expert. Fixed places mean no slot has to be
-reserved with a remote atomic and rows keep token order. Then a system fence, and the program
-counts its messages per expert in this rank's ``DISPATCH_COUNTS`` words; the program whose
-message completes an expert's count writes ``(use << 32) | count`` into that expert's flag
-at its rank (a relaxed store after a fence). No program waits for another, so the send also
-runs under the interpreter, where programs run one after another. Experts that get no row
-from this rank get a flag with 0 rows from program ``expert % P``.
+Send (``DO_SEND``): program p takes global experts p, p+P, ... For expert g it picks, from
+``topk_idx``, the (token, k) pairs routed to g in token order, casts those rows to fp8 on the
+fly (or keeps bf16) and writes them as messages into g's rank, at the fixed block
+``[local expert, source = us, 0..count)`` of the current receive slot. Fixed blocks mean no
+slot has to be reserved with a remote atomic: a sender knows where every row goes. After all
+its experts, one system fence, then ``(use << 32) | count`` into each expert's flag at its
+rank (relaxed stores: no round trip per expert).
 
 Receive (``DO_RECV``): program p takes (local expert e, source s) items p, p+P, ... It waits
 for the R flags of e at once, and copies s's messages into the packed outputs right after
@@ -37,13 +34,12 @@ import triton
 import triton.language as tl
 
 from . import low_latency_layout as layout
-from .fp8_tiles import cast_row, pack_bytes
+from .fp8_tiles import cast_rows_to_messages, pack_bytes
 from .rows import copy_rows
 from .sync import (
     PHASE_LL_DISPATCH_DATA,
     PHASE_LL_DISPATCH_SLOT,
     begin_low_latency_send,
-    count_contribution,
     fence_system,
     finish_low_latency_launch,
     gave_up,
@@ -64,60 +60,41 @@ MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
 MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
 FREED = tl.constexpr(layout.DISPATCH_FREED)
 FLAGS = tl.constexpr(layout.DISPATCH_FLAGS)
-COUNTS = tl.constexpr(layout.DISPATCH_COUNTS)
 SENT_USE = tl.constexpr(layout.SENT_USE + 0)
 LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
 CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
 
 
 @triton.jit
-def _send_token(x_ptr, x_row_stride, token, topk_idx_ptr, experts, pairs, masked, ranks, peer_base_ptrs, area, slot,
-                slot_bytes, rank, block_words, experts_per_rank, NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr,
-                HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                GROUPS_PAD: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                MESSAGE_WORDS: tl.constexpr, GPU: tl.constexpr):
-    """Write one token's message into the receive slot of each of its experts (skipping -1 and
-    masked ranks): the row is read and cast once, then stored top-k times. A message's place
-    in its (expert, source) block is the number of earlier (token, k) pairs routed to the same
-    expert, so rows land in token order, as the CPU backend orders them."""
-    row = x_ptr + x_row_stride.to(tl.int64) * token
-    if USE_FP8:
-        fp8_bytes, scales = cast_row(row, HIDDEN, GROUPS_PAD, ROUND_SCALE, GPU)
-        columns = tl.arange(0, GROUPS_PAD)[:, None] * 128 + tl.arange(0, 128)[None, :]
-        groups = tl.arange(0, GROUPS_PAD)
-    else:
-        # bf16 rows travel as they are, two channels an int32 word (the row stride is even).
-        words = tl.arange(0, HIDDEN_PAD // 2)
-        row_words = tl.load(row.to(tl.pointer_type(tl.int32)) + words, mask=words < DATA_WORDS)
-    for k in tl.static_range(NUM_TOPK):
-        expert = tl.load(topk_idx_ptr + token * NUM_TOPK + k)
-        destination = tl.maximum(expert, 0) // experts_per_rank
-        if (expert >= 0) & ~rank_masked(masked, ranks, destination):
-            position = tl.sum(((experts == expert) & (pairs < token * NUM_TOPK + k)).to(tl.int32), axis=0)
-            local_expert = expert - destination * experts_per_rank
-            peer_area = tl.load(peer_base_ptrs + destination) + area
-            receive_slot = (peer_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
-            # Messages start on 16-byte boundaries (4-word units in 4096-aligned slots): wide stores.
-            message = tl.multiple_of(receive_slot + (local_expert * NUM_RANKS + rank) * block_words
-                                     + position.to(tl.int64) * MESSAGE_WORDS, 16)
-            if USE_FP8:
-                tl.store(message.to(tl.pointer_type(tl.uint8)) + columns, fp8_bytes, mask=columns < HIDDEN)
-                tl.store(message + DATA_WORDS + groups, scales.to(tl.int32, bitcast=True),
-                         mask=groups < SCALE_WORDS)
-            else:
-                tl.store(message + words, row_words, mask=words < DATA_WORDS)
-            tl.store(message + DATA_WORDS + SCALE_WORDS, token)
-            tl.store(message + DATA_WORDS + SCALE_WORDS + 1, k)
-
-
-@triton.jit
-def _raise_flag(peer_base_ptrs, area, slot, rank, expert, destination, experts_per_rank, call, rows,
-                NUM_RANKS: tl.constexpr, GPU: tl.constexpr):
-    """Tell ``destination`` that this rank's ``rows`` messages for ``expert`` are in place."""
-    local_expert = expert - destination * experts_per_rank
-    flag = (tl.load(peer_base_ptrs + destination) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
-        + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank
-    store_relaxed(flag, (call << 32) + rows, GPU)   # rows < 2**32: the sum is the bitwise or
+def _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block,
+                 NUM_TOPK: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr,
+                 ROUND_SCALE: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                 MESSAGE_WORDS: tl.constexpr, ROWS: tl.constexpr, CAST_GROUPS: tl.constexpr, GPU: tl.constexpr):
+    """Write the ``count`` rows routed to one expert as messages 0..count-1 of ``message_block``."""
+    for first in range(0, count, ROWS):
+        wanted = first + tl.arange(0, ROWS)
+        # The pair whose position among the routed pairs is ``wanted`` (a compaction by matching).
+        match = routed[None, :] & (position[None, :] == wanted[:, None])
+        pair = tl.sum(tl.where(match, pairs[None, :], 0), axis=1)
+        row_ok = wanted < count
+        token = pair // NUM_TOPK
+        # Messages start on 16-byte boundaries (4-word units in 4096-aligned slots): wide stores.
+        message_rows = tl.multiple_of(message_block + wanted.to(tl.int64) * MESSAGE_WORDS, 16)
+        message = message_rows[:, None]
+        if USE_FP8:
+            cast_rows_to_messages(x_ptr, token, x_row_stride, row_ok, message_rows, HIDDEN, DATA_WORDS, ROUND_SCALE,
+                                  CAST_GROUPS, GPU)
+        else:
+            # bf16 rows travel as they are, two channels an int32 word (the row stride is even).
+            words = tl.arange(0, HIDDEN_PAD // 2)
+            word_mask = row_ok[:, None] & (words < DATA_WORDS)[None, :]
+            x_words = x_ptr.to(tl.pointer_type(tl.int32))
+            values = tl.load(x_words + token.to(tl.int64)[:, None] * (x_row_stride // 2) + words[None, :],
+                             mask=word_mask)
+            tl.store(message + words[None, :], values, mask=word_mask)
+        header = message + DATA_WORDS + SCALE_WORDS
+        tl.store(header, token[:, None], mask=row_ok[:, None])
+        tl.store(header + 1, (pair % NUM_TOPK)[:, None], mask=row_ok[:, None])
 
 
 @triton.jit
@@ -152,7 +129,7 @@ def low_latency_dispatch_kernel(
     PAIRS_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
     HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr, DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr, GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, GPU: tl.constexpr,
+    CAST_GROUPS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
     """``x_ptr`` is bf16 [N, H] (``x_row_stride`` even, in elements). ``out_x_ptr`` is the int32
     view of packed_recv_x; ``out_scales_ptr`` its scales
@@ -185,30 +162,28 @@ def low_latency_dispatch_kernel(
                                               NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
         pairs = tl.arange(0, PAIRS_PAD)
         experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
-        sent_counts = control + COUNTS + slot * MAX_EXPERTS
-        for sent_token in range(pid, num_tokens, num_programs):
-            _send_token(x_ptr, x_row_stride, sent_token, topk_idx_ptr, experts, pairs, masked, ranks, peer_base_ptrs, area,
-                        slot, slot_bytes, rank, block_words, experts_per_rank, NUM_RANKS, NUM_TOPK, HIDDEN, HIDDEN_PAD,
-                        USE_FP8, ROUND_SCALE, GROUPS_PAD, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, GPU)
-            # This token's messages are out; count them. The program whose message completes an
-            # expert's count raises that expert's flag: every program's rows were fenced before
-            # its count, so the flag follows all of them (no program waits for another).
-            fence_system(GPU)
-            for k in tl.static_range(NUM_TOPK):
-                chosen = tl.load(topk_idx_ptr + sent_token * NUM_TOPK + k)
-                chosen_rank = tl.maximum(chosen, 0) // experts_per_rank
-                if (chosen >= 0) & ~rank_masked(masked, ranks, chosen_rank):
-                    chosen_rows = tl.sum((experts == chosen).to(tl.int32), axis=0)
-                    if count_contribution(sent_counts + chosen, call) == chosen_rows:
-                        fence_system(GPU)
-                        _raise_flag(peer_base_ptrs, area, slot, rank, chosen, chosen_rank, experts_per_rank, call,
-                                    chosen_rows, NUM_RANKS, GPU)
-        # Experts no token of this rank chose get a flag with 0 rows, from program expert % P.
         for expert in range(pid, num_experts, num_programs):
+            routed = experts == expert
             destination = expert // experts_per_rank
-            if ~rank_masked(masked, ranks, destination) & (tl.sum((experts == expert).to(tl.int32), axis=0) == 0):
-                _raise_flag(peer_base_ptrs, area, slot, rank, expert, destination, experts_per_rank, call, 0,
-                            NUM_RANKS, GPU)
+            count = tl.where(rank_masked(masked, ranks, destination), 0, tl.sum(routed.to(tl.int32), axis=0))
+            position = tl.cumsum(routed.to(tl.int32), axis=0) - 1
+            local_expert = expert - destination * experts_per_rank
+            peer_area = tl.load(peer_base_ptrs + destination) + area
+            receive_slot = (peer_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
+            message_block = receive_slot + (local_expert * NUM_RANKS + rank) * block_words
+            _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block, NUM_TOPK, HIDDEN,
+                         HIDDEN_PAD, USE_FP8, ROUND_SCALE, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, ROWS, CAST_GROUPS,
+                         GPU)
+        # One fence for all of this program's rows, then the flags: no round trip per expert.
+        fence_system(GPU)
+        for expert in range(pid, num_experts, num_programs):
+            count = tl.sum((experts == expert).to(tl.int32), axis=0)
+            destination = expert // experts_per_rank
+            local_expert = expert - destination * experts_per_rank
+            if not rank_masked(masked, ranks, destination):
+                flag = (tl.load(peer_base_ptrs + destination) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
+                    + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank
+                store_relaxed(flag, (call << 32) | count.to(tl.int64), GPU)
 
     if DO_RECV:
         call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1

@@ -29,11 +29,6 @@ keeps counting and receive hooks may run in any order:
                      the last use of the slot in which this rank wrote into rank r (shrink
                      mode skips masked ranks, so this can lag the slot's use count). A sender
                      waits for r's ``FREED`` word to reach it before writing into r again.
-  ``DISPATCH_COUNTS + slot*MAX_EXPERTS + g``
-                     ``(use << 20) | rows``: how many of this rank's rows for global expert g
-                     the dispatch's programs have written so far in this use of the slot. The
-                     program whose row completes the count raises g's flag at g's rank. A word
-                     left by an earlier use (a call cut short in shrink mode) restarts at 1.
   ``BARRIER + r``, ``BARRIER_SENT + r``
                      clean_low_latency_buffer's barriers: how many barriers rank r held with
                      this rank (r writes it here), and how many this rank held with r (masked
@@ -62,8 +57,7 @@ COMBINE_FREED = DISPATCH_FREED + 2 * MAX_RANKS
 DISPATCH_FLAGS = COMBINE_FREED + 2 * MAX_RANKS
 COMBINE_FLAGS = DISPATCH_FLAGS + 2 * MAX_EXPERTS
 SENT_USE = COMBINE_FLAGS + 2 * MAX_EXPERTS
-DISPATCH_COUNTS = SENT_USE + 4 * MAX_RANKS
-CLEAN_END = DISPATCH_COUNTS + 2 * MAX_EXPERTS
+CLEAN_END = SENT_USE + 4 * MAX_RANKS
 BARRIER = CLEAN_END
 BARRIER_SENT = BARRIER + MAX_RANKS
 CONTROL_BYTES = (BARRIER_SENT + MAX_RANKS) * 8 // 4096 * 4096 + 4096

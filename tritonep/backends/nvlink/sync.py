@@ -217,22 +217,6 @@ def gave_up(values, targets):
 
 
 @triton.jit
-def count_contribution(counter_ptr, use):
-    """Add one to a ``(use << 20) | count`` word for this use and return the count after it. A
-    word still holding an earlier use (a call cut short) restarts at 1, so no reset is needed
-    between calls. Acquire-release at system scope: the caller fenced its rows before, and the
-    caller that completes a count sees every row counted before it."""
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="sys")
-    stored = seen - 1
-    fresh = seen
-    while stored != seen:
-        fresh = tl.where((seen >> 20) == use, seen + 1, (use << 20) | 1)
-        stored = seen
-        seen = tl.atomic_cas(counter_ptr, stored, fresh, sem="acq_rel", scope="sys")
-    return fresh & 0xFFFFF
-
-
-@triton.jit
 def fence_system(GPU: tl.constexpr):
     """Order this program's earlier stores (all threads: barrier first) before its later ones,
     at system scope: data, fence, then flags written with ``store_relaxed``."""
