@@ -82,3 +82,17 @@ def test_kinds_follow_triton_specialisation() -> None:
     assert launcher._kinds([1]) != launcher._kinds([17])
     assert launcher._kinds([2**31]) != launcher._kinds([2**31 - 16])
     assert launcher._kinds([32, 48]) == launcher._kinds([64, 80])
+
+
+def test_every_argument_changing_keys_on_grid_and_constants(kernel) -> None:
+    """``changing=None`` (the normal-mode kernels): every argument is converted per call and the
+    setup is the grid, warps and constexprs."""
+    fast = launcher.FastLauncher(kernel)
+    x, out = torch.zeros(64), torch.zeros(64)
+    fast(8, None, (x, 32, out), {"BLOCK": 128}, 4)
+    other = torch.zeros(64)
+    fast(8, None, (x, 48, other), {"BLOCK": 128}, 4)
+    assert kernel.launches[-1] == ("fast", 8, 77, (x.data_ptr(), 48, other.data_ptr(), 128))
+    fast(16, None, (x, 48, other), {"BLOCK": 128}, 4)   # another grid
+    fast(8, None, (x, 48, other), {"BLOCK": 256}, 4)    # another constexpr
+    assert [entry[0] for entry in kernel.launches] == ["bind", "fast", "bind", "bind"]
