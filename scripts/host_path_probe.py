@@ -29,7 +29,7 @@ from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
 
 
-def _host_us(fn, calls: int = 20, rounds: int = 15) -> float:
+def host_us(fn, calls: int = 20, rounds: int = 15) -> float:
     """CPU time per call with the GPU left to run behind: what the Python path costs. Rounds of
     few calls, synchronised in between, so a slower GPU never fills the launch queue and makes
     the host wait (200 calls in a row did for the normal-mode calls); the median round."""
@@ -133,7 +133,7 @@ def run(group: dist.ProcessGroup, defaults: bool, profile: bool = False, only_lo
     calls["ll_combine"] = lambda: buffer.low_latency_combine(y, idx_ll, w_ll, ll_handle)
     for name, fn in calls.items():
         try:
-            report[name] = {"host_us": round(_host_us(fn), 1), "gpu_us": round(_timed_us(group, fn, 30), 1)}
+            report[name] = {"host_us": round(host_us(fn), 1), "gpu_us": round(_timed_us(group, fn, 30), 1)}
             if name.startswith("ll_"):   # capturable calls: their kernel time alone
                 report[name]["graph_us"] = round(_graph_us(fn), 1)
             if profile:

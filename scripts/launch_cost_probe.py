@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from host_path_probe import host_us  # the same rounds of calls as the host-path probe
 
 import tritonep as deep_ep
 from tritonep.backends.base import LowLatencyDispatchRequest
@@ -32,34 +31,20 @@ def empty_kernel(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14
         tl.store(p0, a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8)
 
 
-def _host_us(fn, calls: int = 20, rounds: int = 15) -> float:
-    for _ in range(5):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - begin) / calls * 1e6)
-    torch.cuda.synchronize()
-    return round(statistics.median(samples), 2)
-
-
 def run(group: dist.ProcessGroup) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     report: dict = {}
     pointers = [torch.zeros(16, device=device) for _ in range(15)]
     ints = list(range(1, 9))
-    report["torch_add_"] = _host_us(lambda: pointers[0].add_(1))
-    report["triton_kernel[grid]"] = _host_us(lambda: empty_kernel[(132,)](*pointers, *ints, FLAG=False))
+    report["torch_add_"] = host_us(lambda: pointers[0].add_(1))
+    report["triton_kernel[grid]"] = host_us(lambda: empty_kernel[(132,)](*pointers, *ints, FLAG=False))
     fast = FastLauncher(empty_kernel, changing=("p0", "p1", "a1"))
     args = (*pointers, *ints)
-    report["fast_launcher"] = _host_us(lambda: fast(132, "setup", args, {"FLAG": False}, 4))
+    report["fast_launcher"] = host_us(lambda: fast(132, "setup", args, {"FLAG": False}, 4))
     (setup,) = fast.setups.values()
     stream = current_stream()
-    report["compiled_launch_only"] = _host_us(lambda: setup(stream))
-    report["current_stream"] = _host_us(current_stream)
+    report["compiled_launch_only"] = host_us(lambda: setup(stream))
+    report["current_stream"] = host_us(current_stream)
 
     T, H, K, E = 128, 7168, 8, 288
     buffer = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E),
@@ -71,14 +56,14 @@ def run(group: dist.ProcessGroup) -> dict:
     y = torch.randn(packed[0].shape, device=device).to(torch.bfloat16)
     engine = buffer.backend.low_latency
     request = LowLatencyDispatchRequest(x, topk_idx, T, E, True, False, False, None, None, False)
-    report["engine_dispatch"] = _host_us(lambda: engine.dispatch(request))
-    report["buffer_dispatch"] = _host_us(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E))
-    report["buffer_dispatch_send_then_hook"] = _host_us(
+    report["engine_dispatch"] = host_us(lambda: engine.dispatch(request))
+    report["buffer_dispatch"] = host_us(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E))
+    report["buffer_dispatch_send_then_hook"] = host_us(
         lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)[4]())
-    report["engine_combine"] = _host_us(lambda: engine.combine(y, topk_idx, weights, handle, False, False, None))
-    report["buffer_combine"] = _host_us(lambda: buffer.low_latency_combine(y, topk_idx, weights, handle))
+    report["engine_combine"] = host_us(lambda: engine.combine(y, topk_idx, weights, handle, False, False, None))
+    report["buffer_combine"] = host_us(lambda: buffer.low_latency_combine(y, topk_idx, weights, handle))
     buffer.destroy()
-    return report
+    return {name: round(us, 2) for name, us in report.items()}
 
 
 def main() -> None:
