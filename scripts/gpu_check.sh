@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|ll|compat|shared|host|sweep]
+#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|compat|shared|host|sweep]
+#     normal: normal mode only (tests, profile, bench with DeepEP; DeepEP builds during the tests);
+#     full: GPU tests, benchmark (SWEEP=0: without its sweeps; DeepEP side by side when
+#     .bench_deps holds its sources), demo; tests / bench: the first / the second part alone;
+#     profile: scripts/normal_profile.py (kernel and copy times of the normal-mode calls);
 #     quick: a subset of the GPU tests, no benchmark sweep; ll: the low-latency tests and
 #     benchmark only; sweep: the low-latency kernels over LL_SWEEP shapes (ll_sweep); compat:
 #     the DeepEP compatibility tests, ll_sweep and the host-path probe (plain and under
@@ -134,6 +138,42 @@ if [ "$MODE" = shared ]; then
   exit $status
 fi
 
+if [ "$MODE" = normal ]; then
+  # Normal mode only, in one call: DeepEP builds on the CPUs while the GPU tests run, then
+  # the profile of the normal-mode calls and the benchmark side by side with DeepEP.
+  if [ -f .bench_deps/build_on_device.sh ]; then
+    (timeout 400 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1;
+     echo "exit $?" >> "$OUT/deepep_build.log") &
+    build=$!
+  fi
+  echo "== normal-mode GPU tests, under DeepEP's torch defaults (cuda device, bf16 dtype)"
+  TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
+    timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -rf ${NORMAL_TESTS:-tests/test_nvlink.py} \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== profile"
+  timeout 120 python3 scripts/normal_profile.py --json "$OUT/normal_profile.json" \
+    ${COMBINE_VARIANTS:+--combine-variants $COMBINE_VARIANTS} 2>&1 | grep -v Warning \
+    | tee "$OUT/normal_profile.log" | tail -40
+  if [ -n "${build:-}" ]; then
+    wait "$build"; tail -2 "$OUT/deepep_build.log"
+    export PYTHONPATH="/tmp/deepep:$PYTHONPATH"
+  fi
+  echo "== benchmark (normal mode)"
+  timeout ${BENCH_TIMEOUT:-200} python3 -m tritonep.bench --skip-low-latency --vs-deepep ${BENCH_ARGS:-} \
+    --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  exit $status
+fi
+
+if [ "$MODE" = profile ]; then
+  # Where the normal-mode GPU time goes (kernels and copy-engine copies, per rank).
+  timeout 200 python3 scripts/normal_profile.py --json "$OUT/normal_profile.json" \
+    ${COMBINE_VARIANTS:+--combine-variants $COMBINE_VARIANTS} 2>&1 | grep -v Warning \
+    | tee "$OUT/normal_profile.log" | tail -40
+  exit "${PIPESTATUS[0]}"
+fi
+
 if [ "$MODE" = quick ]; then
   tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py -k "variants or 7168 or race or graph")
   bench_args=()
@@ -142,13 +182,18 @@ elif [ "$MODE" = ll ]; then
   bench_args=(--skip-normal)
 else
   tests=(tests/test_nvlink.py tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py tests/test_deep_ep_compat_low_latency.py)
-  bench_args=(--sweep)
+  bench_args=()
+  [ "${SWEEP:-1}" = 0 ] || bench_args=(--sweep)
 fi
-echo "== GPU tests ($MODE), under DeepEP's torch defaults (cuda device, bf16 dtype)"
-TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
-  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider \
-  2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# tests: the GPU tests alone; bench: the benchmark (and DeepEP) alone; full: both and the demo.
+if [ "$MODE" != bench ]; then
+  echo "== GPU tests ($MODE), under DeepEP's torch defaults (cuda device, bf16 dtype)"
+  TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
+    timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -rf "${tests[@]}" -p no:cacheprovider \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  [ "$MODE" != tests ] || exit $status
+fi
 
 # DeepEP V1 side by side (--vs-deepep) when its sources were carried in .bench_deps (see
 # ../shared/deepep/README.md: mkdir -p .bench_deps && cp ../shared/deepep/* .bench_deps/).
@@ -162,6 +207,7 @@ echo "== benchmark"
 timeout ${BENCH_TIMEOUT:-300} python3 -m tritonep.bench "${bench_args[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -40
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
+[ "$MODE" != bench ] || exit $status
 echo "== demo on GPUs"
 timeout 120 python3 -m tritonep.demo 2>&1 | tee "$OUT/demo.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

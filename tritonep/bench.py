@@ -106,7 +106,7 @@ def _buffer(group: dist.ProcessGroup, backend: str, nvl_bytes: int) -> tritonep.
 
 
 def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int, fp8: bool = True,
-                    module=tritonep) -> dict:
+                    module=tritonep, only: str | None = None) -> dict:
     """Times of one Buffer's calls and the received bytes they move. ``module`` is the package
     the Buffer comes from (tritonep, or DeepEP's deep_ep): both size their configs the same way."""
     module.Buffer.set_num_sms(num_sms)
@@ -119,6 +119,8 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
     recv_bytes = recv_x.numel() * 2
     x_fp8 = utils.per_token_cast_to_fp8(x)
     iters = args.iters
+    if only == "combine":
+        return {"combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=combine_config), iters)}
     result = {
         "recv_rows": recv_x.shape[0],
         "layout_us": _median_us(group, lambda: buffer.get_dispatch_layout(topk_idx, args.experts), iters),
@@ -201,6 +203,7 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     if gpu:
         ours = _buffer(group, "nvlink", nvl_bytes)
         report["tritonep"] = _measure_buffer(group, ours, args, x, topk_idx, topk_weights, args.num_sms)
+        report["tritonep"]["combine_sm_only_us"] = _sm_only_combine_us(group, ours, args, x, topk_idx, topk_weights)
         remote_rows = int(in_rank.sum()) - int(in_rank[:, rank].sum())
         report["remote_bytes"] = remote_rows * args.hidden * 2
         report["copy_engine_ceiling_gbps"] = _copy_engine_ceiling(group, report["remote_bytes"])
@@ -215,6 +218,18 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
 
 
 SWEEP_SMS = (4, 8, 16, 24, 32, 64)
+
+
+def _sm_only_combine_us(group, buffer, args, x, topk_idx, topk_weights) -> float:
+    """Combine with the rows pushed by SMs instead of the copy engines (what a dispatch made
+    with num_worst_tokens gets), same handle and timing, to compare the two paths."""
+    default = buffer.backend.tuning
+    buffer.backend.tuning = dataclasses.replace(default, copy_engine_combine=False)
+    try:
+        return _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False,
+                               only="combine")["combine_us"]
+    finally:
+        buffer.backend.tuning = default
 
 
 def _deepep(group, args, x, topk_idx, topk_weights, nvl_bytes: int, gpu: bool) -> dict:
@@ -276,6 +291,8 @@ def print_table(report: dict) -> None:
                  (f"{name}: dispatch (with counts)", m["dispatch_us"], m["recv_bytes"]),
                  (f"{name}: cached dispatch bf16", m["cached_dispatch_us"], m["recv_bytes"]),
                  (f"{name}: combine", m["combine_us"], m["recv_bytes"])]
+        if "combine_sm_only_us" in m:
+            rows.append((f"{name}: combine, SMs push (no copy engine)", m["combine_sm_only_us"], m["recv_bytes"]))
         if "cached_dispatch_pipelined_us" in m:
             rows += [(f"{name}: layout, back to back", m["layout_pipelined_us"], None),
                      (f"{name}: cached dispatch, back to back", m["cached_dispatch_pipelined_us"], m["recv_bytes"]),
@@ -327,16 +344,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="low-latency part: tokens per rank (T)")
     parser.add_argument("--ll-experts", type=int, default=288 if gpus >= 2 else 16)
     parser.add_argument("--skip-normal", action="store_true", help="only the low-latency part")
+    parser.add_argument("--skip-low-latency", action="store_true", help="only the normal-mode part")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     use_gpu = (gpus >= 2 or (args.gpu and gpus >= 1)) and not args.cpu
     backends = ["nvlink", "collective"] if use_gpu else ["collective"]
     with RankPool(args.ranks if not use_gpu else min(args.ranks, gpus), use_gpu=use_gpu, timeout=1200) as pool:
         report = {} if args.skip_normal else pool.run(run_rank, args)[0]
-        report["low_latency"] = pool.run(bench_low_latency.run_rank, args, backends)[0]
+        if not args.skip_low_latency:
+            report["low_latency"] = pool.run(bench_low_latency.run_rank, args, backends)[0]
     if not args.skip_normal:
         print_table(report)
-    bench_low_latency.print_table(report["low_latency"])
+    if "low_latency" in report:
+        bench_low_latency.print_table(report["low_latency"])
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench.json")
     with open(path, "w") as f:

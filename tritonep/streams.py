@@ -31,6 +31,18 @@ class StreamScope:
                 self.keep(*item)
 
 
+def current_stream_ids() -> tuple[int, int, int]:
+    """(stream id, device index, device type) of the current stream, without a Stream object."""
+    return tuple(torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice()))
+
+
+def set_stream(stream: torch.cuda.Stream | tuple[int, int, int]) -> None:
+    """Make ``stream`` (a Stream or its ids) current, and its device: torch's raw setter, which
+    costs far less than ``torch.cuda.stream``'s context manager."""
+    ids = stream if isinstance(stream, tuple) else (stream.stream_id, stream.device_index, stream.device_type)
+    torch._C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+
+
 class _StreamSwitch:
     """What ``on_comm_stream`` needs per communication stream, made once: ``torch.cuda.stream``,
     ``current_stream`` and ``wait_stream`` are Python-heavy and create an event per call, tens
@@ -43,7 +55,7 @@ class _StreamSwitch:
 
     def current(self) -> tuple[tuple[int, int, int], torch.cuda.Stream]:
         """The current stream of the current device, as ids and as a (cached) Stream."""
-        ids = tuple(torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice()))
+        ids = current_stream_ids()
         stream = self.streams.get(ids)
         if stream is None:
             stream = self.streams[ids] = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
@@ -70,12 +82,11 @@ def on_comm_stream(
     else:
         switch.to_comm.record(compute_stream)
         comm_stream.wait_event(switch.to_comm)
-    torch._C._cuda_setStream(stream_id=comm_stream.stream_id, device_index=comm_stream.device_index,
-                             device_type=comm_stream.device_type)
+    set_stream(comm_stream)
     try:
         yield scope
     finally:   # (also makes the compute stream's device current again)
-        torch._C._cuda_setStream(stream_id=compute_ids[0], device_index=compute_ids[1], device_type=compute_ids[2])
+        set_stream(compute_ids)
     if async_finish:
         # Inputs stay in use on the communication stream after we return.
         for tensor in _flatten(inputs):

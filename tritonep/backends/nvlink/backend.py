@@ -22,6 +22,8 @@ from ...handles import DispatchHandle, LowLatencyHandle
 from ...routing import count_matrix_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_kernel import combine_kernel
+from .combine_reduce_kernel import combine_reduce_kernel
+from .copy_engine import PeerCopies
 from .dispatch_kernel import dispatch_kernel
 from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
@@ -32,6 +34,7 @@ from .sync import GPU_KERNELS, INTERPRET, timeout_error
 
 _DISPATCH = FastLauncher(dispatch_kernel)
 _COMBINE = FastLauncher(combine_kernel)
+_COMBINE_REDUCE = FastLauncher(combine_reduce_kernel)
 
 
 @dataclass
@@ -41,6 +44,8 @@ class SendPlan:
     token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
     send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
     max_send_rows: int | None       # largest number of rows any rank sends (None if not read back)
+    counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d, when read back
+    combine_copies: list[tuple[int, int, int, int]] | None = None   # made by the first combine
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class Tuning:
     tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
     combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
+    # Combine rows cross NVLink on the copy engines when the dispatch read its counts back.
+    copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
 
 
 def _split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
@@ -91,6 +98,7 @@ class NvlinkBackend(Backend):
         # checked when the next call starts: (received rows per rank, num_worst_tokens, event).
         self._unchecked_padding: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
+        self._peer_copies = PeerCopies(self._device)
         # Low-latency mode has its own allocation (the front end checks its size per call).
         self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device) \
             if low_latency_mode and num_rdma_bytes > 0 else None
@@ -229,7 +237,7 @@ class NvlinkBackend(Backend):
                 self.memory, request.is_token_in_rank, request.num_tokens_per_expert, signature,
                 self.notify_epoch, self.status, self.timeout_ns)
             prefix = result[: R * R].view(R, R)
-            max_send_rows = None
+            max_send_rows, counts = None, None
             if request.num_worst_tokens > 0:
                 num_out_rows = request.num_worst_tokens
                 if num_out_rows > capacity:
@@ -244,7 +252,8 @@ class NvlinkBackend(Backend):
                 self._check_agreement(host[-2], host[-1])
                 prefix_host = torch.tensor(host[: R * R], dtype=torch.int64, device="cpu").view(R, R)
                 received = prefix_host[-1].tolist()
-                max_send_rows = int(count_matrix_from_prefix(prefix_host).sum(1).max())
+                counts = count_matrix_from_prefix(prefix_host)
+                max_send_rows = int(counts.sum(1).max())
                 if max(received) > capacity:
                     worst = received.index(max(received))
                     raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
@@ -252,7 +261,7 @@ class NvlinkBackend(Backend):
                                      f"num_nvl_bytes")
                 num_out_rows = received[self.rank]
                 per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
-            plan = SendPlan(token_list, send_pos, max_send_rows)
+            plan = SendPlan(token_list, send_pos, max_send_rows, None if counts is None else counts.tolist())
         device = self._device
         recv_x = torch.empty(num_out_rows, hidden, dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(num_out_rows, scale_words, dtype=scales.dtype,
@@ -301,6 +310,9 @@ class NvlinkBackend(Backend):
         self.check_status()
         plan: SendPlan = handle.backend_state
         hidden = x.shape[1]
+        if hidden % 2:
+            raise InputError(f"the NVLink backend moves combine rows in 4-byte words; hidden must be even, "
+                             f"got {hidden}")
         num_tokens = handle.is_token_in_rank.shape[0]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         capacity, regions = self._combine_regions(hidden, num_topk)
@@ -310,31 +322,54 @@ class NvlinkBackend(Backend):
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self._device)
         out_weights = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=self._device) \
             if topk_weights is not None else None
-        senders, reducers = _split_programs(config.num_sms, self.tuning.combine_sender_fraction)
         self.combine_epoch += 1
         t = self.tuning
         R = self.num_ranks
-        if hidden % 2:
-            raise InputError(f"the NVLink backend moves combine rows in 4-byte words; hidden must be even, "
-                             f"got {hidden}")
-        _COMBINE(senders + reducers, None, (
-            x, x.view(torch.int32), topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
-            handle.is_token_in_rank,
-            plan.send_pos, bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x,
-            out, out_weights if out_weights is not None else out, num_tokens, hidden,
-            self.memory.peer_base_ptrs, *regions, capacity,
-            self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns,
-        ), dict(
+        tensors = (x, topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
+                   handle.is_token_in_rank, plan.send_pos, bias[0] if bias[0] is not None else x,
+                   bias[1] if bias[1] is not None else x, out, out_weights if out_weights is not None else out,
+                   num_tokens, hidden, self.memory.peer_base_ptrs, *regions, capacity,
+                   self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns)
+        constants = dict(
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
-            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), NUM_SENDERS=senders,
-            NUM_REDUCERS=reducers, HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
-            ROWS=t.rows, COPY_BLOCK=min(_pow2(hidden // 2), t.block), BLOCK=min(_pow2(hidden), t.combine_block),
-            TOKENS=t.tokens, STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
-        ), t.warps)
-        self.combine_released += reducers
+            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
+            NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
+            HAS_BIAS1=bias[1] is not None, BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
+            GPU=GPU_KERNELS)
+        if plan.counts is not None and t.copy_engine_combine:
+            # The rows cross NVLink on the copy engines; every program reduces.
+            self._peer_copies.run(self._combine_copies(x, plan, regions[0]))
+            programs = max(1, min(config.num_sms, MAX_CHANNELS))
+            _COMBINE_REDUCE(programs, None, tensors, dict(
+                constants, NUM_REDUCERS=programs, PUBLISHERS=programs if GPU_KERNELS else 1), t.warps)
+            self.combine_released += programs
+        else:
+            senders, reducers = _split_programs(config.num_sms, t.combine_sender_fraction)
+            _COMBINE(senders + reducers, None, (tensors[0], x.view(torch.int32)) + tensors[1:], dict(
+                constants, NUM_SENDERS=senders, NUM_REDUCERS=reducers, ROWS=t.rows,
+                COPY_BLOCK=min(_pow2(hidden // 2), t.block), STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows)),
+                t.warps)
+            self.combine_released += reducers
         self._after_launch()
         return out, out_weights
+
+    def _combine_copies(self, x: torch.Tensor, plan: SendPlan, staging_x: int
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(peer staging bytes, x bytes) per peer: the block of ``x`` that came from that peer,
+        to where the peer's reducers look for it (after the rows it sent to lower ranks)."""
+        if plan.combine_copies is None:
+            counts, me, R = plan.counts, self.rank, self.num_ranks
+            plan.combine_copies = []
+            for step in range(1, R):   # rotated, so that the ranks do not all start on one peer
+                peer = (me + step) % R
+                start = sum(counts[source][me] for source in range(peer))
+                offset = sum(counts[peer][expert_rank] for expert_rank in range(me))
+                if counts[peer][me]:
+                    plan.combine_copies.append((peer, start, counts[peer][me], offset))
+        row_bytes = x.shape[1] * 2
+        rows = x.view(torch.uint8)
+        return [(self.memory.peers[peer].narrow(0, staging_x + offset * row_bytes, count * row_bytes),
+                 rows.narrow(0, start, count).view(-1)) for peer, start, count, offset in plan.combine_copies]
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:

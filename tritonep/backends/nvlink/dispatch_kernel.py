@@ -45,8 +45,7 @@ def _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx_ptr, dst_weights_
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "capacity",
-                               "timeout_ns",
-                               "x_words", "scale_words", "token_list_stride"])
+                               "timeout_ns", "scale_words", "token_list_stride"])
 def dispatch_kernel(
     x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride,
     topk_idx_ptr, topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr,
@@ -71,7 +70,8 @@ def dispatch_kernel(
             peer_base = tl.load(peer_base_ptrs + destination)
             if remote:
                 row_limit = capacity
-                dst_x = (peer_base + staging_x).to(tl.pointer_type(tl.int32))
+                # Staging starts on a 4096-byte boundary: rows move in 16-byte vectors.
+                dst_x = tl.multiple_of((peer_base + staging_x).to(tl.pointer_type(tl.int32)), 16)
                 dst_scales = (peer_base + staging_scales).to(tl.pointer_type(tl.int32))
                 dst_idx = (peer_base + staging_idx).to(tl.pointer_type(tl.int64))
                 dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
@@ -144,8 +144,8 @@ def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, 
                             x_words, scale_words, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                             NUM_TOPK: tl.constexpr, BLOCK: tl.constexpr):
     base = my_signals.to(tl.int64)
-    copy_rows((base + staging_x).to(tl.pointer_type(tl.int32)), rows, x_words, 1, out_x_ptr, rows, mask,
-              x_words, BLOCK, True)
+    copy_rows(tl.multiple_of((base + staging_x).to(tl.pointer_type(tl.int32)), 16), rows, x_words, 1, out_x_ptr,
+              rows, mask, x_words, BLOCK, True)
     if HAS_SCALES:
         copy_rows((base + staging_scales).to(tl.pointer_type(tl.int32)), rows, scale_words, 1, out_scales_ptr,
                   rows, mask, scale_words, 64, True)

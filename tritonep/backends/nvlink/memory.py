@@ -74,6 +74,8 @@ class SymmetricBuffer:
     Attributes:
         local: uint8 tensor over this rank's whole allocation.
         peer_base_ptrs: int64 [R] tensor of each rank's allocation address, as seen here.
+        peers: uint8 tensors over each rank's whole allocation, as seen here (for copy-engine
+            copies into a peer: ``peers[r][offset:offset + n].copy_(source)``).
         data_offset: byte offset of the data area; data_bytes: its size.
     """
 
@@ -92,21 +94,23 @@ class SymmetricBuffer:
             peers = self._map_ipc_handles(total, device)
         else:
             peers = self._rendezvous_symmetric(total, device)
-        self.peer_base_ptrs = torch.tensor(peers, dtype=torch.int64, device=device)
+        self.peers: list[torch.Tensor] = peers
+        self.peer_base_ptrs = torch.tensor([t.data_ptr() for t in peers], dtype=torch.int64, device=device)
         self.local[: self.data_offset].zero_()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier(group=group)
 
-    def _rendezvous_symmetric(self, total: int, device: torch.device) -> list[int]:
+    def _rendezvous_symmetric(self, total: int, device: torch.device) -> list[torch.Tensor]:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.local = symm_mem.empty(total, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(self.local, self.group.group_name)
         self._keep_alive.append(handle)
-        return [int(p) for p in handle.buffer_ptrs]
+        return [self.local if r == self.rank else handle.get_buffer(r, (total,), torch.uint8)
+                for r in range(self.num_ranks)]
 
-    def _map_ipc_handles(self, total: int, device: torch.device) -> list[int]:
+    def _map_ipc_handles(self, total: int, device: torch.device) -> list[torch.Tensor]:
         """Ranks that share a GPU (tests: ``RankPool`` with more ranks than GPUs). torch
         symmetric memory refuses two ranks on one device, so each rank exports a plain CUDA
         allocation with CUDA IPC, as torch.multiprocessing does for tensors passed between
@@ -121,9 +125,9 @@ class SymmetricBuffer:
         # Every peer must have mapped this rank's allocation before any rank may drop its own
         # reference to what it received (the exporter keeps the memory alive until then).
         dist.barrier(group=self.group)
-        return [t.data_ptr() for t in mapped]
+        return mapped
 
-    def _map_shared_files(self, total: int) -> list[int]:
+    def _map_shared_files(self, total: int) -> list[torch.Tensor]:
         token = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
         paths = [f"/dev/shm/tritonep-{token[0]}-{r}" for r in range(self.num_ranks)]
@@ -135,7 +139,7 @@ class SymmetricBuffer:
         os.unlink(paths[self.rank])   # the mappings stay valid; nothing is left in /dev/shm
         self.local = mapped[self.rank]
         self._keep_alive.extend(mapped)
-        return [t.data_ptr() for t in mapped]
+        return mapped
 
     def signal_words(self) -> torch.Tensor:
         """This rank's signal counters as int64 (for tests and debugging)."""
@@ -143,6 +147,7 @@ class SymmetricBuffer:
 
     def release(self) -> None:
         self._keep_alive.clear()
+        self.peers = []
         self.local = torch.empty(0, dtype=torch.uint8, device=self.local.device)
 
 
