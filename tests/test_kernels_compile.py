@@ -15,8 +15,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from tritonep.backends.nvlink.combine_copy_engine import combine_piece_signal_kernel  # noqa: E402
 from tritonep.backends.nvlink.combine_kernel import combine_kernel  # noqa: E402
-from tritonep.backends.nvlink.combine_reduce_kernel import combine_reduce_kernel  # noqa: E402
 from tritonep.backends.nvlink.dispatch_kernel import dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.layout_kernel import dispatch_layout_kernel  # noqa: E402
 from tritonep.backends.nvlink.low_latency_clean_kernel import low_latency_clean_kernel  # noqa: E402
@@ -82,8 +82,10 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool) -> None:
     assert "%globaltimer" in kernel.asm["ptx"]
 
 
-@pytest.mark.parametrize("has_weights,has_bias", [(True, True), (False, False)])
-def test_combine_kernel_compiles(has_weights: bool, has_bias: bool) -> None:
+# (senders, ranks): SM senders, or none (the rows come from the copy engines in pieces).
+@pytest.mark.parametrize("has_weights,has_bias,senders,num_ranks", [(True, True, 12, 2), (False, False, 12, 2),
+                                                                    (True, False, 0, 2), (False, True, 0, 3)])
+def test_combine_kernel_compiles(has_weights: bool, has_bias: bool, senders: int, num_ranks: int) -> None:
     compile_for_hopper(
         combine_kernel,
         dict(x_ptr=BF16, x_words_ptr=I32, weights_ptr=F32 if has_weights else BF16, prefix_ptr=I32,
@@ -92,26 +94,20 @@ def test_combine_kernel_compiles(has_weights: bool, has_bias: bool) -> None:
              else BF16, num_tokens=4096, hidden=7168, peer_base_ptrs=I64, staging_x=1 << 30,
              staging_weights=(1 << 30) + (1 << 27), capacity=8192, rank=1, epoch=7, released_target=72, status_ptr=I64,
              timeout_ns=60 * 10**9),
-        dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=2, RANKS_PAD=2,
-             NUM_SENDERS=12, NUM_REDUCERS=12, HAS_WEIGHTS=has_weights, NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias,
-             HAS_BIAS1=has_bias, ROWS=8, COPY_BLOCK=2048, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
+        dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=num_ranks,
+             RANKS_PAD=_pow2(num_ranks), NUM_SENDERS=senders, NUM_REDUCERS=24 - senders, HAS_WEIGHTS=has_weights,
+             NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias, HAS_BIAS1=has_bias, NUM_CHANNELS=senders or 8, ROWS=8,
+             COPY_BLOCK=2048, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
         num_warps=16)
 
 
-@pytest.mark.parametrize("has_weights,num_ranks", [(True, 2), (False, 3)])
-def test_combine_reduce_kernel_compiles(has_weights: bool, num_ranks: int) -> None:
-    """The copy-engine combine's kernel (weights push, arrival wait, reduce, release)."""
+@pytest.mark.parametrize("has_weights", [True, False])
+def test_combine_piece_signal_kernel_compiles(has_weights: bool) -> None:
     compile_for_hopper(
-        combine_reduce_kernel,
-        dict(x_ptr=BF16, weights_ptr=F32 if has_weights else BF16, prefix_ptr=I32, is_token_in_rank_ptr=BOOL,
-             send_pos_ptr=I32, bias0_ptr=BF16, bias1_ptr=BF16, out_ptr=BF16,
-             out_weights_ptr=F32 if has_weights else BF16, num_tokens=4096, hidden=7168, peer_base_ptrs=I64,
-             staging_x=1 << 30, staging_weights=(1 << 30) + (1 << 27), capacity=8192, rank=1, epoch=7,
-             released_target=72, status_ptr=I64, timeout_ns=60 * 10**9),
-        dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=num_ranks,
-             RANKS_PAD=_pow2(num_ranks), NUM_REDUCERS=24, PUBLISHERS=24, HAS_WEIGHTS=has_weights, NUM_TOPK=8,
-             TOPK_PAD=8, HAS_BIAS0=True, HAS_BIAS1=False, BLOCK=2048, TOKENS=4),
-        num_warps=32)
+        combine_piece_signal_kernel,
+        dict(weights_ptr=F32 if has_weights else BF16, peer_base_ptrs=I64, peer=1, src_row=300, dst_row=17,
+             rows=250, staging_weights=(1 << 30) + (1 << 27), tail_index=420, value=(9 << 32) + 250),
+        dict(HAS_WEIGHTS=has_weights, NUM_TOPK=8, BLOCK=1024))
 
 
 def _pow2(value: int) -> int:

@@ -21,9 +21,9 @@ from ...config import Config
 from ...handles import DispatchHandle, LowLatencyHandle
 from ...routing import count_matrix_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
+from .combine_copy_engine import combine_copies, combine_copy_jobs
 from .combine_kernel import combine_kernel
-from .combine_reduce_kernel import combine_reduce_kernel
-from .copy_engine import PeerCopies
+from .copy_engine import PeerStreams
 from .dispatch_kernel import dispatch_kernel
 from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
@@ -34,7 +34,6 @@ from .sync import GPU_KERNELS, INTERPRET, timeout_error
 
 _DISPATCH = FastLauncher(dispatch_kernel)
 _COMBINE = FastLauncher(combine_kernel)
-_COMBINE_REDUCE = FastLauncher(combine_reduce_kernel)
 
 
 @dataclass
@@ -45,7 +44,7 @@ class SendPlan:
     send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
     max_send_rows: int | None       # largest number of rows any rank sends (None if not read back)
     counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d, when read back
-    combine_copies: list[tuple[int, int, int, int]] | None = None   # made by the first combine
+    combine_copies: list[tuple[int, int, int, int]] | None = None   # made by the first combine (CE path)
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,11 @@ class Tuning:
     tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
     combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
-    # Combine rows cross NVLink on the copy engines when the dispatch read its counts back.
+    # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
+    # this many pieces per peer (0: 12 // (R - 1), between 2 and 8: fewer, larger pieces when
+    # there are more peers, since each piece costs a copy and a launch on the host).
     copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
+    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "0"))
 
 
 def _split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
@@ -98,7 +100,11 @@ class NvlinkBackend(Backend):
         # checked when the next call starts: (received rows per rank, num_worst_tokens, event).
         self._unchecked_padding: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
-        self._peer_copies = PeerCopies(self._device)
+        self._peer_streams = PeerStreams(self._device)
+        # The copy-engine combine's reducers spin while one-program signal kernels on side
+        # streams must still find an SM: leave a few free.
+        self._max_reducers = MAX_CHANNELS if INTERPRET else \
+            torch.cuda.get_device_properties(self._device).multi_processor_count - 4
         # Low-latency mode has its own allocation (the front end checks its size per call).
         self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device) \
             if low_latency_mode and num_rdma_bytes > 0 else None
@@ -325,51 +331,38 @@ class NvlinkBackend(Backend):
         self.combine_epoch += 1
         t = self.tuning
         R = self.num_ranks
-        tensors = (x, topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
-                   handle.is_token_in_rank, plan.send_pos, bias[0] if bias[0] is not None else x,
-                   bias[1] if bias[1] is not None else x, out, out_weights if out_weights is not None else out,
-                   num_tokens, hidden, self.memory.peer_base_ptrs, *regions, capacity,
-                   self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns)
+        args = (x, x.view(torch.int32), topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
+                handle.is_token_in_rank, plan.send_pos, bias[0] if bias[0] is not None else x,
+                bias[1] if bias[1] is not None else x, out, out_weights if out_weights is not None else out,
+                num_tokens, hidden, self.memory.peer_base_ptrs, *regions, capacity,
+                self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns)
         constants = dict(
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
             NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-            HAS_BIAS1=bias[1] is not None, BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
-            GPU=GPU_KERNELS)
+            HAS_BIAS1=bias[1] is not None, ROWS=t.rows, COPY_BLOCK=min(_pow2(hidden // 2), t.block),
+            BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens, STAGE=t.stage,
+            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS)
         if plan.counts is not None and t.copy_engine_combine:
-            # The rows cross NVLink on the copy engines; every program reduces.
-            self._peer_copies.run(self._combine_copies(x, plan, regions[0]))
-            programs = max(1, min(config.num_sms, MAX_CHANNELS))
-            _COMBINE_REDUCE(programs, None, tensors, dict(
-                constants, NUM_REDUCERS=programs, PUBLISHERS=programs if GPU_KERNELS else 1), t.warps)
-            self.combine_released += programs
+            # The rows cross NVLink on the copy engines, piece by piece; every program reduces
+            # while they arrive (combine_copy_engine.py).
+            pieces = t.combine_pieces or min(8, max(2, 12 // max(R - 1, 1)))
+            if plan.combine_copies is None:
+                plan.combine_copies = combine_copies(plan.counts, self.rank)
+            self._peer_streams.fork(combine_copy_jobs(
+                x, topk_weights, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
+                regions[1], self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces))
+            reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
+            _COMBINE(reducers, None, args, dict(constants, NUM_SENDERS=0, NUM_REDUCERS=reducers,
+                                                NUM_CHANNELS=pieces), t.warps)
+            self._peer_streams.join()
         else:
             senders, reducers = _split_programs(config.num_sms, t.combine_sender_fraction)
-            _COMBINE(senders + reducers, None, (tensors[0], x.view(torch.int32)) + tensors[1:], dict(
-                constants, NUM_SENDERS=senders, NUM_REDUCERS=reducers, ROWS=t.rows,
-                COPY_BLOCK=min(_pow2(hidden // 2), t.block), STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // t.rows)),
-                t.warps)
-            self.combine_released += reducers
+            _COMBINE(senders + reducers, None, args, dict(constants, NUM_SENDERS=senders, NUM_REDUCERS=reducers,
+                                                          NUM_CHANNELS=senders), t.warps)
+        self.combine_released += reducers
         self._after_launch()
         return out, out_weights
-
-    def _combine_copies(self, x: torch.Tensor, plan: SendPlan, staging_x: int
-                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(peer staging bytes, x bytes) per peer: the block of ``x`` that came from that peer,
-        to where the peer's reducers look for it (after the rows it sent to lower ranks)."""
-        if plan.combine_copies is None:
-            counts, me, R = plan.counts, self.rank, self.num_ranks
-            plan.combine_copies = []
-            for step in range(1, R):   # rotated, so that the ranks do not all start on one peer
-                peer = (me + step) % R
-                start = sum(counts[source][me] for source in range(peer))
-                offset = sum(counts[peer][expert_rank] for expert_rank in range(me))
-                if counts[peer][me]:
-                    plan.combine_copies.append((peer, start, counts[peer][me], offset))
-        row_bytes = x.shape[1] * 2
-        rows = x.view(torch.uint8)
-        return [(self.memory.peers[peer].narrow(0, staging_x + offset * row_bytes, count * row_bytes),
-                 rows.narrow(0, start, count).view(-1)) for peer, start, count, offset in plan.combine_copies]
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:

@@ -7,10 +7,16 @@ of token t from rank r at ``offset[r] + send_pos[t, r]``).
 
 * **Sender programs** split every returning block into ``NUM_SENDERS`` channels, push the
   rows (and top-k weights) and publish progress counters like dispatch does.
-* **Reducer programs** own a range of tokens and walk it in stages; before a stage they wait
-  until every channel holding one of the stage's rows has delivered it, then sum each
-  token's copies in float32 (our own copy is read straight from ``x``), add the biases and
-  write bf16. Stages let reduction overlap the transfer.
+* **Reducer programs** walk the tokens in stages; before a stage they wait until every
+  channel holding one of the stage's rows has delivered it, then sum each token's copies in
+  float32 (our own copy is read straight from ``x``), add the biases and write bf16. Stages
+  let reduction overlap the transfer.
+
+With ``NUM_SENDERS == 0`` the rows come from the copy engines instead
+(``combine_copy_engine.py``): each peer's block arrives in ``NUM_CHANNELS`` pieces in token
+order, so the reducers take stages interleaved (stage i on program i % P) to follow the
+arriving front. SM senders fill all their channels at once, so there each reducer owns one
+contiguous range of tokens, about one channel's worth.
 
 As in dispatch, a sender waits for the destination's reducers to finish the previous call
 before overwriting its staging rows (``combine_done`` reaching ``released_target``).
@@ -44,8 +50,8 @@ def combine_kernel(
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_REDUCERS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
-    ROWS: tl.constexpr, COPY_BLOCK: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, STAGE: tl.constexpr,
-    SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
+    NUM_CHANNELS: tl.constexpr, ROWS: tl.constexpr, COPY_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    TOKENS: tl.constexpr, STAGE: tl.constexpr, SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
 ):
     pid = tl.program_id(0)
     my_base = tl.load(peer_base_ptrs + rank)
@@ -85,13 +91,16 @@ def combine_kernel(
     else:
         reducer = pid - NUM_SENDERS
         row_base = staging_row_base(prefix_ptr, rank, NUM_RANKS, RANKS_PAD)
-        per_reducer = tl.cdiv(num_tokens, NUM_REDUCERS)
-        t_lo = tl.minimum(reducer * per_reducer, num_tokens)
-        t_hi = tl.minimum(t_lo + per_reducer, num_tokens)
-        for stage0 in range(t_lo, t_hi, STAGE):
+        if NUM_SENDERS == 0:   # pieces from the copy engines, in token order
+            t_lo, t_hi, stride = reducer * STAGE, num_tokens, NUM_REDUCERS * STAGE
+        else:
+            per_reducer = tl.cdiv(num_tokens, NUM_REDUCERS)
+            t_lo = tl.minimum(reducer * per_reducer, num_tokens)
+            t_hi, stride = tl.minimum(t_lo + per_reducer, num_tokens), STAGE
+        for stage0 in range(t_lo, t_hi, stride):
             stage1 = tl.minimum(stage0 + STAGE, t_hi)
             _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, stamp, status_ptr,
-                            timeout_ns, TAIL_WORD, MAX_CHANNELS, NUM_RANKS, NUM_SENDERS, GPU)
+                            timeout_ns, TAIL_WORD, MAX_CHANNELS, NUM_RANKS, NUM_CHANNELS, GPU)
             reduce_tokens(x_ptr, weights_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr, out_ptr,
                           out_weights_ptr, my_base + staging_x, my_base + staging_weights, row_base, capacity,
                           stage0, stage1, hidden, rank, NUM_RANKS, RANKS_PAD, HAS_WEIGHTS, NUM_TOPK, TOPK_PAD,
@@ -192,7 +201,7 @@ def release_staging(peer_base_ptrs, my_signals, rank, target, last_program, stat
 @triton.jit
 def _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, stamp, status_ptr, timeout_ns,
                     TAIL_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr, NUM_RANKS: tl.constexpr,
-                    NUM_SENDERS: tl.constexpr, GPU: tl.constexpr):
+                    NUM_CHANNELS: tl.constexpr, GPU: tl.constexpr):
     """Wait until every remote row that tokens [stage0, stage1) need has arrived.
 
     Those tokens' copies from rank r are rows [send_pos[stage0, r], send_pos[stage1, r]) of
@@ -204,7 +213,7 @@ def _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, 
         first = tl.load(send_pos_ptr + stage0 * NUM_RANKS + peer)
         last = tl.load(send_pos_ptr + stage1 * NUM_RANKS + peer)
         count = block_count(prefix_ptr, rank, peer, NUM_RANKS)
-        chunk = tl.maximum(tl.cdiv(count, NUM_SENDERS), 1)
+        chunk = tl.maximum(tl.cdiv(count, NUM_CHANNELS), 1)
         if last > first:
             for channel in range(first // chunk, (last - 1) // chunk + 1):
                 needed = tl.minimum(last, (channel + 1) * chunk) - channel * chunk

@@ -1,0 +1,110 @@
+"""Normal-mode combine with the copy engines: rows cross NVLink without any SM, SMs only reduce.
+
+In combine, the rows an expert rank returns to source s are one contiguous block of its ``x``
+(dispatch laid them out by source, token order inside), and they land in one contiguous range
+of s's combine staging (grouped by expert rank, in s's send-list order). When the host knows
+the counts (every dispatch that read them back) the block needs no gather, so each block
+crosses NVLink as ``cudaMemcpyAsync`` calls into the peer's symmetric memory: the copy engines
+carry the bulk bytes at link speed and the SMs are left to reduce.
+
+The block to each peer goes in ``chunks`` pieces, in token order, on that peer's side stream
+(``copy_engine.PeerStreams``). After each piece a one-program kernel copies the piece's top-k
+weights (a few bytes per row) and publishes ``(epoch << 32) | rows`` into the peer's tail word
+for (this rank, piece): exactly what an SM sender of ``combine_kernel`` publishes for a
+channel, with pieces as channels. So the reduction is ``combine_kernel`` itself with no sender
+programs: its reducers wait per stage of tokens for the pieces that hold the stage's rows, and
+take the stages interleaved (stage i on program i % P), so that every program follows the
+front of arriving pieces and the reduction overlaps the copies instead of trailing them.
+
+Staging reuse: the reduction's last program waits until every peer's reducers finished the
+call (``combine_kernel.release_staging``), and the next combine's copies start only after that
+kernel on the caller's stream, so a copy never overwrites rows a peer has not reduced yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from .launcher import FastLauncher
+from .memory import MAX_CHANNELS
+from .sync import publish
+
+
+@triton.jit(do_not_specialize=["peer", "src_row", "dst_row", "rows", "tail_index", "value"])
+def combine_piece_signal_kernel(weights_ptr, peer_base_ptrs, peer, src_row, dst_row, rows, staging_weights,
+                                tail_index, value, HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr,
+                                BLOCK: tl.constexpr):
+    """After a piece's rows were copied (stream order): copy its weights, then publish it."""
+    peer_base = tl.load(peer_base_ptrs + peer)
+    if HAS_WEIGHTS:
+        src = weights_ptr + src_row.to(tl.int64) * NUM_TOPK
+        dst = (peer_base + staging_weights).to(tl.pointer_type(tl.float32)) + dst_row.to(tl.int64) * NUM_TOPK
+        for e0 in range(0, rows * NUM_TOPK, BLOCK):
+            elements = e0 + tl.arange(0, BLOCK)
+            mask = elements < rows * NUM_TOPK
+            tl.store(dst + elements, tl.load(src + elements, mask=mask), mask=mask)
+    publish(peer_base.to(tl.pointer_type(tl.int64)) + tail_index, value)
+
+
+_SIGNAL = FastLauncher(combine_piece_signal_kernel)
+
+
+def piece_range(count: int, piece: int, pieces: int) -> tuple[int, int]:
+    """Rows [lo, hi) of a ``count``-row block in piece ``piece`` of ``pieces`` (``rows.channel_range``)."""
+    size = -(-count // pieces)
+    lo = min(piece * size, count)
+    return lo, min(lo + size, count)
+
+
+def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
+                      peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int,
+                      tail_word: int, rank: int, epoch: int, pieces: int) -> list[Callable[[], None]]:
+    """One job per peer: its block of ``x`` in ``pieces`` copies, each followed by its signal.
+
+    ``copies`` lists ``(peer, first row in x, rows, first row in the peer's staging)``.
+    """
+    row_bytes = x.shape[1] * x.element_size()
+    x_bytes = x.view(torch.uint8).view(-1)
+    num_topk = topk_weights.shape[1] if topk_weights is not None else 1
+    weights = topk_weights if topk_weights is not None else x
+    stamp = epoch << 32
+    constants = dict(HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=num_topk, BLOCK=1024)
+
+    def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
+        destination = peers[peer]
+
+        def run() -> None:
+            for piece in range(pieces):
+                lo, hi = piece_range(count, piece, pieces)
+                if hi == lo:
+                    continue
+                destination.narrow(0, staging_x + (offset + lo) * row_bytes, (hi - lo) * row_bytes).copy_(
+                    x_bytes.narrow(0, (start + lo) * row_bytes, (hi - lo) * row_bytes), non_blocking=True)
+                _SIGNAL(1, None, (weights, peer_base_ptrs, peer, start + lo, offset + lo, hi - lo, staging_weights,
+                                  tail_word + rank * MAX_CHANNELS + piece, stamp + hi - lo), constants, 4)
+        return run
+
+    return [job(*copy) for copy in copies]
+
+
+def combine_copies(counts: list[list[int]], rank: int) -> list[tuple[int, int, int, int]]:
+    """``(peer, first row in x, rows, first row in the peer's staging)`` for every peer this
+    rank returns rows to, peers in rotated order (so that the ranks do not all start on one).
+
+    ``counts[s][d]``: rows rank s sent to rank d in the dispatch. Our ``x`` holds the block
+    from each source after the blocks from lower sources; the source's staging holds the rows
+    from each expert rank after those from lower expert ranks.
+    """
+    num_ranks = len(counts)
+    result = []
+    for step in range(1, num_ranks):
+        peer = (rank + step) % num_ranks
+        if counts[peer][rank]:
+            start = sum(counts[source][rank] for source in range(peer))
+            offset = sum(counts[peer][expert_rank] for expert_rank in range(rank))
+            result.append((peer, start, counts[peer][rank], offset))
+    return result
