@@ -3,8 +3,9 @@
     python scripts/normal_profile.py [--tokens 4096] [--hidden 7168] [--num-sms 24] [--json PATH]
                                      [--combine-variants "tokens=8 tokens=16,combine_block=1024"]
 
-One rank per GPU, DeepEP's benchmark shape. For each call kind (cached dispatch; combine with
-the copy engines; combine with SMs only) it runs 20 calls under the profiler and prints, per
+One rank per GPU, DeepEP's benchmark shape. For each call kind (layout; fresh dispatch, with
+the GPU's idle time between the count exchange and the dispatch kernel; cached dispatch;
+combine with the copy engines; combine with SMs only) it runs 20 calls under the profiler and prints, per
 rank, the mean device time of each kernel and copy it launched (copy-engine copies show up as
 "Memcpy PtoP" / "Memcpy DtoD"), plus the mean wall time per call. ``--combine-variants``
 then times the combine (bench timing: L2 flushed, median, slowest rank) under each listed
@@ -28,7 +29,10 @@ from tritonep.launch import RankPool
 CALLS = 20
 
 
-def _profile(fn) -> dict:
+def _profile(fn, gaps: tuple[str, str] | None = None) -> dict:
+    """Mean device time per call of each kernel and copy; with ``gaps=(a, b)`` also the mean
+    idle time on the GPU between the end of kernel ``a`` and the start of the next ``b`` (the
+    host's share of a fresh dispatch: count read-back, allocation, launch)."""
     fn()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CUDA]
@@ -44,7 +48,19 @@ def _profile(fn) -> dict:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.name[:60]] += event.device_time_total
     per_call = {name: round(us / CALLS, 1) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
-    return {"wall_us_per_call": round(start.elapsed_time(end) * 1e3 / CALLS, 1), "device_us_per_call": per_call}
+    result = {"wall_us_per_call": round(start.elapsed_time(end) * 1e3 / CALLS, 1), "device_us_per_call": per_call}
+    if gaps is not None:
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
+        idle, first_end = [], None
+        for begin, finish, name in kernels:
+            if name.startswith(gaps[0]):
+                first_end = finish
+            elif name.startswith(gaps[1]) and first_end is not None:
+                idle.append(begin - first_end)
+                first_end = None
+        result[f"idle_us_{gaps[0]}_to_{gaps[1]}"] = round(sum(idle) / max(len(idle), 1), 1)
+    return result
 
 
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
@@ -62,6 +78,10 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
         x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, config=config)
     report = {"rank": rank, "recv_rows": recv_x.shape[0]}
+    report["layout"] = _profile(lambda: buffer.get_dispatch_layout(topk_idx, args.experts))
+    report["fresh_dispatch"] = _profile(lambda: buffer.dispatch(
+        x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, config=config), gaps=("notify_dispatch", "dispatch_kernel"))
     report["cached_dispatch"] = _profile(lambda: buffer.dispatch(x, handle=handle, config=config))
     report["combine_copy_engine"] = _profile(
         lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights, config=config))
@@ -97,8 +117,9 @@ def main() -> None:
         reports = pool.run(run_rank, args)
     for report in reports:
         print(f"== rank {report['rank']} ({report['recv_rows']} rows received)")
-        for kind in ("cached_dispatch", "combine_copy_engine", "combine_sm_only"):
-            print(f"  {kind}: {report[kind]['wall_us_per_call']} us per call")
+        for kind in ("layout", "fresh_dispatch", "cached_dispatch", "combine_copy_engine", "combine_sm_only"):
+            gaps = {key: value for key, value in report[kind].items() if key.startswith("idle_us")}
+            print(f"  {kind}: {report[kind]['wall_us_per_call']} us per call {gaps or ''}")
             for name, us in list(report[kind]["device_us_per_call"].items())[:6]:
                 print(f"    {us:9.1f} us  {name}")
     for variant, us in reports[0]["combine_variants"].items():

@@ -56,15 +56,17 @@ def test_layout_kernel_compiles() -> None:
 def test_notify_kernel_compiles(exchange: bool) -> None:
     compile_for_hopper(notify_dispatch_kernel,
                        dict(is_token_in_rank_ptr=BOOL, num_tokens=4096, num_tokens_per_expert_ptr=I32,
-                            signature_ptr=I32, token_list_ptr=I32, token_list_stride=4096, send_pos_ptr=I32,
+                            hidden_words=3584, scale_words=56, num_topk=8, num_experts=256, invalid_ids_ptr=I32,
+                            token_list_ptr=I32, token_list_stride=4096, send_pos_ptr=I32,
                             result_ptr=I32, peer_base_ptrs=I64, rank=1, notify_epoch=3, experts_per_rank=128,
                             status_ptr=I64, timeout_ns=60 * 10**9),
                        dict(NOTIFY_FLAG_WORD=0, PAYLOAD_BYTE_OFFSET=8192, PAYLOAD_WORDS=1035, EXPERT_WORDS=1024,
                             SIGNATURE=8, NUM_RANKS=3, RANKS_PAD=4, EXPERTS_PAD=128, BLOCK_T=256, EXCHANGE=exchange))
 
 
-@pytest.mark.parametrize("has_scales,has_topk", [(False, True), (True, True), (False, False)])
-def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool) -> None:
+@pytest.mark.parametrize("has_scales,has_topk,send", [(False, True, True), (True, True, True), (False, False, True),
+                                                      (False, True, False), (True, True, False)])
+def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool) -> None:
     kernel = compile_for_hopper(
         dispatch_kernel,
         dict(x_ptr=I32, x_words=3584, scales_ptr=I32, scale_words=56, scale_token_stride=56, scale_col_stride=1,
@@ -74,7 +76,7 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool) -> None:
              staging_scales=1 << 28, staging_idx=1 << 29, staging_weights=1 << 30, staging_src=(1 << 30) + 4096,
              capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64,
              timeout_ns=60 * 10**9),
-        dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12,
+        dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12, SEND=send,
              HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, ROWS=8, BLOCK=2048, SIGNAL_EVERY=4),
         num_warps=16)
     # The waits use acquire loads and the timer: check the inline PTX made it into the kernel.

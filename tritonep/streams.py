@@ -5,6 +5,11 @@ current stream), runs on the communication stream, and then either returns an ev
 (``async_finish=True``) or makes the current stream wait for it. Tensors that cross streams
 are recorded on the stream that uses them so the caching allocator does not recycle them early.
 On a backend without streams (the CPU), work is finished when the call returns.
+
+A call with neither ``previous_event`` nor ``async_finish`` runs on the current stream
+itself: waiting for it, running on the communication stream and making it wait back orders
+the work exactly as running it there does, and costs two event records, two waits, two
+stream switches and a ``record_stream`` per output on the host.
 """
 
 from __future__ import annotations
@@ -70,14 +75,15 @@ def on_comm_stream(
     inputs: tuple = (),
 ) -> Iterator[StreamScope]:
     scope = StreamScope()
-    if comm_stream is None:
+    waits_for_event = previous_event is not None and previous_event.event is not None
+    if comm_stream is None or not (waits_for_event or async_finish):
         yield scope
         return
     switch = getattr(comm_stream, "_tritonep_switch", None)   # made once, lives with the stream
     if switch is None:
         switch = comm_stream._tritonep_switch = _StreamSwitch()
     compute_ids, compute_stream = switch.current()
-    if previous_event is not None and previous_event.event is not None:
+    if waits_for_event:
         comm_stream.wait_event(previous_event.event)
     else:
         switch.to_comm.record(compute_stream)

@@ -23,13 +23,13 @@ from ...routing import count_matrix_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_copy_engine import combine_copies, combine_copy_jobs
 from .combine_kernel import combine_kernel
-from .copy_engine import PeerStreams
 from .dispatch_kernel import dispatch_kernel
 from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
 from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import notify_dispatch
+from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
 
 _DISPATCH = FastLauncher(dispatch_kernel)
@@ -101,6 +101,9 @@ class NvlinkBackend(Backend):
         self._unchecked_padding: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
         self._peer_streams = PeerStreams(self._device)
+        self._receive_streams = PeerStreams(self._device)
+        self._counts_host = torch.empty(0, dtype=torch.int32, device="cpu")
+        self._counts_copied = None if INTERPRET else torch.cuda.Event()
         # The copy-engine combine's reducers spin while one-program signal kernels on side
         # streams must still find an SM: leave a few free.
         self._max_reducers = MAX_CHANNELS if INTERPRET else \
@@ -213,6 +216,10 @@ class NvlinkBackend(Backend):
         return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.invalid_ids)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """Count exchange (fresh dispatch), then two kernels: the send half on the current stream,
+        launched before the host reads the counts back, so rows move while the host sizes and
+        allocates the outputs; the receive half (own rows, then arrived rows into the outputs)
+        on a side stream that waits for the exchange but not for the send half."""
         self.check_status()
         x, scales = request.x, request.x_scales
         num_tokens, hidden = x.shape
@@ -227,6 +234,7 @@ class NvlinkBackend(Backend):
         handle = request.cached_handle
         R = self.num_ranks
         per_expert: list[int] | None = None
+        counts_copied = None
         if handle is not None:
             plan: SendPlan = handle.backend_state
             prefix, num_out_rows = handle.rank_prefix_matrix, handle.num_recv_rows
@@ -234,40 +242,48 @@ class NvlinkBackend(Backend):
                 raise InputError(f"cached dispatch of {num_out_rows} rows does not fit the NVLink buffer "
                                  f"({capacity} rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
         else:
+            if request.num_worst_tokens > capacity:
+                raise InputError(f"num_worst_tokens={request.num_worst_tokens} does not fit the NVLink buffer "
+                                 f"({capacity} rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
             self.notify_epoch += 1
-            signature = torch.zeros(8, dtype=torch.int32, device=self._device)
-            signature[:4] = torch.tensor([x_words, scale_words, num_topk, request.num_experts], dtype=torch.int32,
-                                         device=self._device)
-            signature[4:5] = self.invalid_ids
             token_list, send_pos, result = notify_dispatch(
-                self.memory, request.is_token_in_rank, request.num_tokens_per_expert, signature,
+                self.memory, request.is_token_in_rank, request.num_tokens_per_expert,
+                (x_words, scale_words, num_topk, request.num_experts), self.invalid_ids,
                 self.notify_epoch, self.status, self.timeout_ns)
             prefix = result[: R * R].view(R, R)
-            max_send_rows, counts = None, None
+            plan = SendPlan(token_list, send_pos, None)
             if request.num_worst_tokens > 0:
-                num_out_rows = request.num_worst_tokens
-                if num_out_rows > capacity:
-                    raise InputError(f"num_worst_tokens={num_out_rows} does not fit the NVLink buffer ({capacity} "
-                                     f"rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
-                per_expert = []
+                num_out_rows, per_expert = request.num_worst_tokens, []
                 self._remember_padding(prefix, num_out_rows)
             else:
-                self._after_launch()
-                host = result.tolist()   # the host sync: output sizes depend on peers' counts
-                self.check_status()
-                self._check_agreement(host[-2], host[-1])
-                prefix_host = torch.tensor(host[: R * R], dtype=torch.int64, device="cpu").view(R, R)
-                received = prefix_host[-1].tolist()
-                counts = count_matrix_from_prefix(prefix_host)
-                max_send_rows = int(counts.sum(1).max())
-                if max(received) > capacity:
-                    worst = received.index(max(received))
-                    raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
-                                     f"holds {capacity} rows of {row_bytes} bytes; make the Buffer with more "
-                                     f"num_nvl_bytes")
-                num_out_rows = received[self.rank]
-                per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
-            plan = SendPlan(token_list, send_pos, max_send_rows, None if counts is None else counts.tolist())
+                counts_copied = self._copy_counts(result)
+        senders, receivers = _split_programs(request.config.num_sms, self.tuning.sender_fraction)
+        self.dispatch_epoch += 1
+        t = self.tuning
+        words = x.view(torch.int32) if x.dim() == 2 else x
+        scale_view = scales.view(torch.int32) if scales is not None else words
+        inputs = (words, x_words, scale_view, max(scale_words, 1),
+                  scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
+                  request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
+                  plan.token_list, plan.token_list.stride(0), prefix)
+        rest = (self.memory.peer_base_ptrs, *regions, capacity, self.rank, self.dispatch_epoch,
+                self.dispatch_released, max(request.num_experts // R, 1), self.status, self.timeout_ns)
+        constants = dict(
+            TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
+            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
+            HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
+            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=min(_pow2(x_words), t.block),
+            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS)
+        # The send half writes only into peers' staging: it needs no output and no host count.
+        receive_after = self._receive_streams.mark()
+        if R > 1:
+            unused = self._placeholder(torch.int32)
+            _DISPATCH(senders, None, inputs + (unused, unused, self._placeholder(torch.int64),
+                                               self._placeholder(torch.float32), unused, 0) + rest,
+                      dict(constants, SEND=True), t.warps)
+        if counts_copied is not None:
+            num_out_rows, per_expert = self._read_counts(counts_copied, plan, capacity, row_bytes,
+                                                         request.expert_alignment)
         device = self._device
         recv_x = torch.empty(num_out_rows, hidden, dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(num_out_rows, scale_words, dtype=scales.dtype,
@@ -275,40 +291,61 @@ class NvlinkBackend(Backend):
         recv_idx = torch.empty(num_out_rows, num_topk, dtype=torch.int64, device=device) if has_topk else None
         recv_weights = torch.empty(num_out_rows, num_topk, dtype=torch.float32, device=device) if has_topk else None
         recv_src = torch.empty(num_out_rows, dtype=torch.int32, device=device)
-        if request.num_worst_tokens > 0:
-            recv_src.fill_(-1)
-            if has_topk:
-                recv_idx.fill_(-1)
-                recv_weights.zero_()
-        senders, receivers = _split_programs(request.config.num_sms, self.tuning.sender_fraction)
-        self.dispatch_epoch += 1
-        words = x.view(torch.int32) if x.dim() == 2 else x
-        scale_view = scales.view(torch.int32) if scales is not None else words
-        t = self.tuning
-        _DISPATCH(senders + receivers, None, (
-            words, x_words, scale_view, max(scale_words, 1),
-            scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
-            request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
-            plan.token_list, plan.token_list.stride(0), prefix,
-            recv_x.view(torch.int32), recv_scales.view(torch.int32) if scales is not None else recv_src,
-            recv_idx if has_topk else self._placeholder(torch.int64),
-            recv_weights if has_topk else self._placeholder(torch.float32), recv_src, num_out_rows,
-            self.memory.peer_base_ptrs, *regions, capacity,
-            self.rank, self.dispatch_epoch, self.dispatch_released, max(request.num_experts // R, 1), self.status,
-            self.timeout_ns,
-        ), dict(
-            TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
-            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
-            HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=min(_pow2(x_words), t.block),
-            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS,
-        ), t.warps)
+        outputs = (recv_x.view(torch.int32), recv_scales.view(torch.int32) if scales is not None else recv_src,
+                   recv_idx if has_topk else self._placeholder(torch.int64),
+                   recv_weights if has_topk else self._placeholder(torch.float32), recv_src, num_out_rows)
+
+        def receive() -> None:
+            if request.num_worst_tokens > 0:   # rows past the received ones stay empty
+                recv_src.fill_(-1)
+                if has_topk:
+                    recv_idx.fill_(-1)
+                    recv_weights.zero_()
+            _DISPATCH(receivers, None, inputs + outputs + rest, dict(constants, SEND=False), t.warps)
+
+        self._receive_streams.fork([receive], after=receive_after)
+        self._receive_streams.join()
         self.dispatch_released += receivers
         self._after_launch()
         if handle is None:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, hidden,
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
+
+    def _copy_counts(self, result: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying the count exchange's result to pinned host memory; the event marks it done."""
+        if INTERPRET:
+            return result, None
+        if self._counts_host.numel() < result.numel():
+            self._counts_host = torch.empty(result.numel(), dtype=torch.int32, device="cpu", pin_memory=True)
+        host = self._counts_host[: result.numel()]
+        host.copy_(result, non_blocking=True)
+        self._after_launch()
+        self._counts_copied.record()
+        return host, self._counts_copied
+
+    def _read_counts(self, copied: tuple[torch.Tensor, torch.cuda.Event | None], plan: SendPlan, capacity: int,
+                     row_bytes: int, expert_alignment: int) -> tuple[int, list[int]]:
+        """The host sync of a fresh dispatch: wait for the counts (not for the send half queued
+        after them), raise on every rank alike if the exchange found a problem, fill in the
+        plan's counts. Returns (rows this rank receives, aligned per-expert counts)."""
+        host, event = copied
+        if event is not None:
+            event.synchronize()
+        host = host.tolist()
+        R = self.num_ranks
+        self.check_status()
+        self._check_agreement(host[-2], host[-1])
+        prefix_host = torch.tensor(host[: R * R], dtype=torch.int64, device="cpu").view(R, R)
+        received = prefix_host[-1].tolist()
+        if max(received) > capacity:
+            worst = received.index(max(received))
+            raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
+                             f"holds {capacity} rows of {row_bytes} bytes; make the Buffer with more num_nvl_bytes")
+        counts = count_matrix_from_prefix(prefix_host)
+        plan.max_send_rows = int(counts.sum(1).max())
+        plan.counts = counts.tolist()
+        return received[self.rank], round_up_counts(host[R * R: -2], expert_alignment)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor | None, torch.Tensor | None], config: Config

@@ -8,7 +8,7 @@ crosses NVLink as ``cudaMemcpyAsync`` calls into the peer's symmetric memory: th
 carry the bulk bytes at link speed and the SMs are left to reduce.
 
 The block to each peer goes in ``chunks`` pieces, in token order, on that peer's side stream
-(``copy_engine.PeerStreams``). After each piece a one-program kernel copies the piece's top-k
+(``side_streams.PeerStreams``). After each piece a one-program kernel copies the piece's top-k
 weights (a few bytes per row) and publishes ``(epoch << 32) | rows`` into the peer's tail word
 for (this rank, piece): exactly what an SM sender of ``combine_kernel`` publishes for a
 channel, with pieces as channels. So the reduction is ``combine_kernel`` itself with no sender

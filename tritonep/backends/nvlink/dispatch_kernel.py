@@ -2,20 +2,23 @@
 
 After the count exchange every rank knows ``rank_prefix_matrix``, so it knows exactly where
 each of its rows lands at each destination: block start (rows from lower ranks) plus the
-row's position in its send list. There is no ring buffer and no flow control inside a call:
+row's position in its send list. There is no ring buffer and no flow control inside a call.
+The kernel runs as two launches (``SEND``), which the backend puts on two streams:
 
-* **Sender programs** (the first ``NUM_SENDERS``) split each destination's send list into
-  ``NUM_SENDERS`` channels, gather the rows from ``x`` and store them into the destination's
-  staging area at their final index (rows for our own rank go straight into the output).
-  Every ``SIGNAL_EVERY`` tiles they publish the channel's progress, ``(epoch << 32) | rows``,
-  into the destination's signal area.
-* **Receiver programs** (the rest) follow those progress counters, channel by channel, and
-  copy arrived rows from staging into the output tensors, overlapping the transfer.
+* **The send half** (``NUM_SENDERS`` programs) splits each peer's send list into
+  ``NUM_SENDERS`` channels, gathers the rows from ``x`` and stores them into the peer's
+  staging area at their final index. Every ``SIGNAL_EVERY`` tiles it publishes the channel's
+  progress, ``(epoch << 32) | rows``, into the peer's signal area. It writes no output, so a
+  fresh dispatch launches it before the host has read the counts back: rows move while the
+  host sizes and allocates the outputs.
+* **The receive half** (``NUM_RECEIVERS`` programs) gathers our own rows from ``x`` into the
+  outputs, then follows the peers' progress counters, channel by channel, and copies arrived
+  rows from staging into the outputs, overlapping the transfer.
 
-Staging is reused by the next call, so before writing to a destination a sender waits until
-all receiver programs of that destination finished the previous call: each receiver program
-adds one to ``dispatch_done`` at every source when it is done, and the host passes the total
-all earlier calls will have added (``released_target``; the receiver count varies with num_sms).
+Staging is reused by the next call, so before writing to a peer a sender waits until all
+receiver programs of that peer finished the previous call: each receiver program adds one to
+``dispatch_done`` at every source when it is done, and the host passes the total all earlier
+calls will have added (``released_target``; the receiver count varies with num_sms).
 Top-k ids are turned into the destination's local expert ids on the way (-1 elsewhere,
 weight 0), so receivers copy every row field verbatim.
 """
@@ -44,6 +47,39 @@ def _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx_ptr, dst_weights_
     tl.store(dst_weights_ptr + dst, tl.where(here, weights, 0.0), mask=mask)
 
 
+@triton.jit
+def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
+               topk_weights_ptr, send_list, lo, hi, start, row_limit, destination, experts_per_rank, dst_x, dst_scales,
+               dst_idx, dst_weights, dst_src, tail, stamp, PUBLISH: tl.constexpr, HAS_SCALES: tl.constexpr,
+               HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr):
+    """Rows [lo, hi) of a send list, gathered from ``x`` into rows ``start + lo ...`` of the
+    destination arrays (a peer's staging, or our own outputs); with ``PUBLISH`` the progress
+    goes to ``tail`` every ``SIGNAL_EVERY`` tiles and at the end."""
+    tiles = 0
+    # Token ids are fetched one tile ahead, so each tile waits for one load latency, not two.
+    next_tokens = tl.load(send_list + lo + tl.arange(0, ROWS), mask=lo + tl.arange(0, ROWS) < hi, other=0)
+    for row0 in range(lo, hi, ROWS):
+        rows = row0 + tl.arange(0, ROWS)
+        dst_rows = start + rows
+        mask = (rows < hi) & (dst_rows < row_limit)
+        tokens = next_tokens
+        next_tokens = tl.load(send_list + rows + ROWS, mask=rows + ROWS < hi, other=0)
+        copy_rows(x_ptr, tokens, x_words, 1, dst_x, dst_rows, mask, x_words, BLOCK, False)
+        if HAS_SCALES:
+            copy_rows(scales_ptr, tokens, scale_token_stride, scale_col_stride, dst_scales, dst_rows, mask,
+                      scale_words, 64, False)
+        if HAS_TOPK:
+            _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx, dst_weights, dst_rows, mask,
+                       destination, experts_per_rank, NUM_TOPK, TOPK_PAD)
+        tl.store(dst_src + dst_rows, tokens, mask=mask)
+        tiles += 1
+        if PUBLISH & (tiles % SIGNAL_EVERY == 0):
+            publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
+    if PUBLISH & (hi > lo):
+        publish(tail, stamp + hi - lo)
+
+
 @triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "capacity",
                                "timeout_ns", "scale_words", "token_list_stride"])
 def dispatch_kernel(
@@ -53,66 +89,44 @@ def dispatch_kernel(
     peer_base_ptrs, staging_x, staging_scales, staging_idx, staging_weights, staging_src, capacity,
     rank, epoch, released_target, experts_per_rank, status_ptr, timeout_ns,
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
-    NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr,
+    NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr, SEND: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
 ):
+    """One launch of ``NUM_SENDERS`` programs (``SEND``) or of ``NUM_RECEIVERS`` (not ``SEND``)."""
     pid = tl.program_id(0)
     my_signals = tl.load(peer_base_ptrs + rank).to(tl.pointer_type(tl.int64))
     stamp = epoch.to(tl.int64) << 32
-    if pid < NUM_SENDERS:
-        for step in range(0, NUM_RANKS):
-            # Remote destinations first (rotated so programs spread over links), our own last.
+    if SEND:
+        for step in range(0, NUM_RANKS - 1):
+            # Rotated, so that the programs of all ranks spread over the links.
             destination = (rank + 1 + step) % NUM_RANKS
-            remote = destination != rank
             start = block_start(prefix_ptr, rank, destination, NUM_RANKS)
             lo, hi = channel_range(block_count(prefix_ptr, rank, destination, NUM_RANKS), pid, NUM_SENDERS)
             peer_base = tl.load(peer_base_ptrs + destination)
-            if remote:
-                row_limit = capacity
-                # Staging starts on a 4096-byte boundary: rows move in 16-byte vectors.
-                dst_x = tl.multiple_of((peer_base + staging_x).to(tl.pointer_type(tl.int32)), 16)
-                dst_scales = (peer_base + staging_scales).to(tl.pointer_type(tl.int32))
-                dst_idx = (peer_base + staging_idx).to(tl.pointer_type(tl.int64))
-                dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
-                dst_src = (peer_base + staging_src).to(tl.pointer_type(tl.int32))
-                if hi > lo:
-                    wait_at_least(my_signals + DONE_WORD + destination, released_target.to(tl.int64),
-                                  status_ptr, timeout_ns, PHASE_DISPATCH_SLOT, destination, GPU)
-            else:
-                row_limit = num_out_rows
-                dst_x = out_x_ptr
-                dst_scales = out_scales_ptr
-                dst_idx = out_idx_ptr
-                dst_weights = out_weights_ptr
-                dst_src = out_src_ptr
-            tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
-            tiles = 0
-            send_list = token_list_ptr + destination * token_list_stride
-            # Token ids are fetched one tile ahead, so each tile waits for one load latency, not two.
-            next_tokens = tl.load(send_list + lo + tl.arange(0, ROWS), mask=lo + tl.arange(0, ROWS) < hi, other=0)
-            for row0 in range(lo, hi, ROWS):
-                rows = row0 + tl.arange(0, ROWS)
-                dst_rows = start + rows
-                mask = (rows < hi) & (dst_rows < row_limit)
-                tokens = next_tokens
-                next_tokens = tl.load(send_list + rows + ROWS, mask=rows + ROWS < hi, other=0)
-                copy_rows(x_ptr, tokens, x_words, 1, dst_x, dst_rows, mask, x_words, BLOCK, False)
-                if HAS_SCALES:
-                    copy_rows(scales_ptr, tokens, scale_token_stride, scale_col_stride, dst_scales, dst_rows, mask,
-                              scale_words, 64, False)
-                if HAS_TOPK:
-                    _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx, dst_weights, dst_rows, mask,
-                               destination, experts_per_rank, NUM_TOPK, TOPK_PAD)
-                tl.store(dst_src + dst_rows, tokens, mask=mask)
-                tiles += 1
-                if remote & (tiles % SIGNAL_EVERY == 0):
-                    publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
-            if remote & (hi > lo):
-                publish(tail, stamp + hi - lo)
+            if hi > lo:
+                wait_at_least(my_signals + DONE_WORD + destination, released_target.to(tl.int64),
+                              status_ptr, timeout_ns, PHASE_DISPATCH_SLOT, destination, GPU)
+            # Staging starts on a 4096-byte boundary: rows move in 16-byte vectors.
+            _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
+                       topk_weights_ptr, token_list_ptr + destination * token_list_stride, lo, hi, start, capacity,
+                       destination, experts_per_rank,
+                       tl.multiple_of((peer_base + staging_x).to(tl.pointer_type(tl.int32)), 16),
+                       (peer_base + staging_scales).to(tl.pointer_type(tl.int32)),
+                       (peer_base + staging_idx).to(tl.pointer_type(tl.int64)),
+                       (peer_base + staging_weights).to(tl.pointer_type(tl.float32)),
+                       (peer_base + staging_src).to(tl.pointer_type(tl.int32)),
+                       peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid, stamp,
+                       True, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, ROWS, BLOCK, SIGNAL_EVERY)
     else:
-        receiver = pid - NUM_SENDERS
-        for channel in range(receiver, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
+        # Our own rows first (no wait: straight from x into the outputs), then the arrived rows.
+        start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
+        lo, hi = channel_range(block_count(prefix_ptr, rank, rank, NUM_RANKS), pid, NUM_RECEIVERS)
+        _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
+                   topk_weights_ptr, token_list_ptr + rank * token_list_stride, lo, hi, start, num_out_rows, rank,
+                   experts_per_rank, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
+                   my_signals, stamp, False, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, ROWS, BLOCK, SIGNAL_EVERY)
+        for channel in range(pid, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
             source = (rank + 1 + channel // NUM_SENDERS) % NUM_RANKS
             sender = channel % NUM_SENDERS
             start = block_start(prefix_ptr, source, rank, NUM_RANKS)

@@ -26,9 +26,11 @@ from .memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
 from .sync import GPU_KERNELS, PHASE_NOTIFY, publish, wait_at_least
 
 
-@triton.jit(do_not_specialize=["num_tokens", "notify_epoch", "rank", "experts_per_rank", "timeout_ns"])
+@triton.jit(do_not_specialize=["num_tokens", "notify_epoch", "rank", "experts_per_rank", "timeout_ns", "hidden_words",
+                               "scale_words", "num_topk", "num_experts"])
 def notify_dispatch_kernel(
-    is_token_in_rank_ptr, num_tokens, num_tokens_per_expert_ptr, signature_ptr,
+    is_token_in_rank_ptr, num_tokens, num_tokens_per_expert_ptr, hidden_words, scale_words, num_topk, num_experts,
+    invalid_ids_ptr,
     token_list_ptr, token_list_stride, send_pos_ptr, result_ptr,
     peer_base_ptrs, rank, notify_epoch, experts_per_rank, status_ptr, timeout_ns,
     NOTIFY_FLAG_WORD: tl.constexpr, PAYLOAD_BYTE_OFFSET: tl.constexpr, PAYLOAD_WORDS: tl.constexpr,
@@ -58,8 +60,11 @@ def notify_dispatch_kernel(
         parity = notify_epoch % 2
         experts = tl.arange(0, EXPERTS_PAD)
         expert_mask = experts < experts_per_rank
+        # The call's signature: (hidden words, scale words, top-k, experts, out-of-range ids, 0...).
         words = tl.arange(0, SIGNATURE)
-        signature = tl.load(signature_ptr + words)
+        invalid_ids = tl.load(invalid_ids_ptr)
+        signature = tl.where(words == 0, hidden_words, tl.where(words == 1, scale_words, tl.where(
+            words == 2, num_topk, tl.where(words == 3, num_experts, tl.where(words == 4, invalid_ids, 0)))))
         for r in range(0, NUM_RANKS):
             peer_base = tl.load(peer_base_ptrs + r)
             slot = (peer_base + PAYLOAD_BYTE_OFFSET).to(tl.pointer_type(tl.int32)) \
@@ -102,12 +107,16 @@ def notify_dispatch(
     memory: SymmetricBuffer,
     is_token_in_rank: torch.Tensor,
     num_tokens_per_expert: torch.Tensor | None,
-    signature: torch.Tensor,
+    signature: tuple[int, int, int, int],
+    invalid_ids: torch.Tensor,
     notify_epoch: int,
     status: torch.Tensor,
     timeout_ns: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns ``(token_list [R, N] int32, send_pos [N+1, R] int32, result)``.
+
+    ``signature``: (hidden in 4-byte words, scale words, top-k, experts) of this call; with the
+    out-of-range ids counted so far (``invalid_ids``, int32 [1]) it goes to every peer.
 
     ``result`` (int32, None without exchange) holds ``rank_prefix_matrix`` (R*R), the
     per-local-expert receive counts (E/R), the number of ranks whose signature differs, and
@@ -126,14 +135,14 @@ def notify_dispatch(
         if exchange else None
     layout = memory.signals
     _NOTIFY(1, None, (
-        is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, signature,
+        is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, *signature, invalid_ids,
         token_list, token_list.stride(0), send_pos, result if exchange else send_pos,
         memory.peer_base_ptrs, memory.rank, notify_epoch, max(experts_per_rank, 1), status, timeout_ns,
     ), dict(
         NOTIFY_FLAG_WORD=layout.notify_flag, PAYLOAD_BYTE_OFFSET=layout.notify_payload * 8,
         PAYLOAD_WORDS=layout.payload_words, EXPERT_WORDS=MAX_LOCAL_EXPERTS, SIGNATURE=SIGNATURE_WORDS,
         NUM_RANKS=num_ranks, RANKS_PAD=triton.next_power_of_2(num_ranks),
-        EXPERTS_PAD=triton.next_power_of_2(max(experts_per_rank, 1)), BLOCK_T=256, EXCHANGE=exchange,
-        GPU=GPU_KERNELS,
-    ), 4)
+        EXPERTS_PAD=triton.next_power_of_2(max(experts_per_rank, 1)),
+        BLOCK_T=min(1024, triton.next_power_of_2(max(num_tokens, 1))), EXCHANGE=exchange, GPU=GPU_KERNELS,
+    ), 8)
     return token_list, send_pos, result

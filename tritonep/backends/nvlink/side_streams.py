@@ -1,14 +1,15 @@
-"""Work for the copy engines, one side stream per peer, overlapping the kernels of a call.
+"""Side streams: the work of a call that runs beside its kernels (copy-engine copies, one stream
+per peer; the receive half of dispatch).
 
 A ``cudaMemcpyAsync`` between two GPUs' memory runs on a copy engine: no SM is involved, and
 one copy streams at close to the link's speed (390 GB/s per direction measured on H200 NV18,
 shared/probes). Copies on one stream run one after another, so each peer gets a stream of its
-own. ``fork`` starts the jobs after the work already queued on the current stream; the caller
-then queues its kernels, which run beside the copies, and ``join`` makes the current stream
-wait for the jobs (so that the caching allocator never reuses their inputs too early).
-Streams and events are made once; switching streams goes through torch's raw setter
-(``torch.cuda.stream`` costs microseconds per use). Without a GPU (the interpreter tests) the
-jobs simply run, in order, when forked.
+own. ``fork`` starts the jobs after the work already queued on the current stream (or after
+an earlier point of it, taken with ``mark``); the caller then queues its kernels, which run
+beside the jobs, and ``join`` makes the current stream wait for the jobs (so that the caching
+allocator never reuses their inputs too early). Streams and events are made once; switching
+streams goes through torch's raw setter (``torch.cuda.stream`` costs microseconds per use).
+Without a GPU (the interpreter tests) the jobs simply run, in order, when forked.
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ class PeerStreams:
         self._ready = torch.cuda.Event() if self._gpu else None
         self._forked = 0
 
-    def fork(self, jobs: list[Callable[[], None]]) -> None:
+    def mark(self) -> torch.cuda.Event | None:
+        """Record, now, the point of the current stream that a later ``fork(after=...)`` starts from."""
+        if not self._gpu:
+            return None
+        self._ready.record(torch.cuda.current_stream())
+        return self._ready
+
+    def fork(self, jobs: list[Callable[[], None]], after: torch.cuda.Event | None = None) -> None:
         """Run each job with a side stream of its own as the current stream, after everything
-        already queued on the current stream."""
+        already queued on the current stream, or only after the point ``mark`` returned."""
         if not self._gpu:
             for job in jobs:
                 job()
@@ -41,9 +49,10 @@ class PeerStreams:
             self._streams.append(torch.cuda.Stream())
             self._done.append(torch.cuda.Event())
         current = current_stream_ids()
-        self._ready.record(torch.cuda.current_stream())
+        if after is None:
+            after = self.mark()
         for job, stream, done in zip(jobs, self._streams, self._done):
-            stream.wait_event(self._ready)
+            stream.wait_event(after)
             set_stream(stream)
             try:
                 job()
