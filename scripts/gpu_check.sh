@@ -2,7 +2,8 @@
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
 #   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|compat|shared|host|sweep]
-#     normal: normal mode only (tests, profile, bench with DeepEP; DeepEP builds during the tests);
+#     normal: normal mode only (tests, profile, HOST_PROBE=1: host-path probe, bench with DeepEP;
+#     DeepEP builds during the tests);
 #     full: GPU tests, benchmark (SWEEP=0: without its sweeps; DeepEP side by side when
 #     .bench_deps holds its sources), demo; tests / bench: the first / the second part alone;
 #     profile: scripts/normal_profile.py (kernel and copy times of the normal-mode calls);
@@ -154,7 +155,12 @@ if [ "$MODE" = normal ]; then
   echo "== profile"
   timeout 120 python3 scripts/normal_profile.py --json "$OUT/normal_profile.json" \
     ${COMBINE_VARIANTS:+--combine-variants $COMBINE_VARIANTS} 2>&1 | grep -v Warning \
-    | tee "$OUT/normal_profile.log" | tail -40
+    | tee "$OUT/normal_profile.log" | tail -60
+  if [ -n "${HOST_PROBE:-}" ]; then   # the host path of each call, with cProfile
+    echo "== host path probe (cProfile per call)"
+    timeout 200 python3 scripts/host_path_probe.py --profile --json "$OUT/host_path.json" > "$OUT/host_path.log" 2>&1
+    grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|tottime|\.py:" | head -${HOST_LINES:-80}
+  fi
   if [ -n "${build:-}" ]; then
     wait "$build"; tail -2 "$OUT/deepep_build.log"
     export PYTHONPATH="/tmp/deepep:$PYTHONPATH"

@@ -49,9 +49,13 @@ def _profile(fn, gaps: tuple[str, str] | None = None) -> dict:
             totals[event.name[:60]] += event.device_time_total
     per_call = {name: round(us / CALLS, 1) for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
     result = {"wall_us_per_call": round(start.elapsed_time(end) * 1e3 / CALLS, 1), "device_us_per_call": per_call}
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    # The last call's kernels and copies: start (from the first one's) and duration, in us.
+    last = kernels[len(kernels) - len(kernels) // CALLS:]
+    result["last_call"] = [(name[:40], round(begin - last[0][0], 1), round(end - begin, 1))
+                           for begin, end, name in last]
     if gaps is not None:
-        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                         if e.device_type == torch.autograd.DeviceType.CUDA)
         idle, first_end = [], None
         for begin, finish, name in kernels:
             if name.startswith(gaps[0]):
@@ -122,6 +126,8 @@ def main() -> None:
             print(f"  {kind}: {report[kind]['wall_us_per_call']} us per call {gaps or ''}")
             for name, us in list(report[kind]["device_us_per_call"].items())[:6]:
                 print(f"    {us:9.1f} us  {name}")
+            print("    last call: " + "; ".join(f"{name} @{begin} +{length}"
+                                                for name, begin, length in report[kind]["last_call"]))
     for variant, us in reports[0]["combine_variants"].items():
         print(f"combine {variant:<45} {us:8.1f} us (slowest rank, median)")
     if args.json:

@@ -61,11 +61,11 @@ def rank_prefix_matrix(count_matrix: torch.Tensor) -> torch.Tensor:
     return count_matrix.cumsum(0, dtype=torch.int32)
 
 
-def count_matrix_from_prefix(prefix: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`rank_prefix_matrix`."""
-    counts = prefix.clone()
-    counts[1:] -= prefix[:-1]
-    return counts
+def count_rows_from_prefix(prefix: list[int], num_ranks: int) -> list[list[int]]:
+    """Inverse of :func:`rank_prefix_matrix`, on a flat host list (row-major, R x R):
+    ``[s][d]`` = rows rank s sends to rank d."""
+    rows = [prefix[s * num_ranks: (s + 1) * num_ranks] for s in range(num_ranks)]
+    return [rows[0]] + [[b - a for a, b in zip(rows[s - 1], rows[s])] for s in range(1, num_ranks)]
 
 
 def send_order(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ...checks import InputError
 from ...config import Config
 from ...handles import DispatchHandle, LowLatencyHandle
-from ...routing import count_matrix_from_prefix, round_up_counts
+from ...routing import count_rows_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_copy_engine import combine_copies, combine_copy_jobs
 from .combine_kernel import combine_kernel
@@ -51,7 +51,8 @@ class SendPlan:
 class Tuning:
     """Kernel shape; environment overrides exist for the benchmark's sweeps."""
 
-    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.625"))
+    # Dispatch: senders push to peers; receivers gather our own rows, then copy arrived ones out.
+    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
     combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.375"))
     rows: int = int(os.environ.get("TRITONEP_ROWS", "8"))
     block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
@@ -60,10 +61,10 @@ class Tuning:
     combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
     # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
-    # this many pieces per peer (0: 12 // (R - 1), between 2 and 8: fewer, larger pieces when
-    # there are more peers, since each piece costs a copy and a launch on the host).
+    # this many pieces per peer (each piece costs a copy and a kernel launch on the host, and a
+    # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2).
     copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
-    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "0"))
+    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "2"))
 
 
 def _split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
@@ -336,15 +337,14 @@ class NvlinkBackend(Backend):
         R = self.num_ranks
         self.check_status()
         self._check_agreement(host[-2], host[-1])
-        prefix_host = torch.tensor(host[: R * R], dtype=torch.int64, device="cpu").view(R, R)
-        received = prefix_host[-1].tolist()
+        # Plain lists: R is small, and torch ops on CPU tensors cost microseconds each.
+        received = host[R * (R - 1): R * R]
         if max(received) > capacity:
             worst = received.index(max(received))
             raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
                              f"holds {capacity} rows of {row_bytes} bytes; make the Buffer with more num_nvl_bytes")
-        counts = count_matrix_from_prefix(prefix_host)
-        plan.max_send_rows = int(counts.sum(1).max())
-        plan.counts = counts.tolist()
+        plan.counts = count_rows_from_prefix(host[: R * R], R)
+        plan.max_send_rows = max(map(sum, plan.counts))
         return received[self.rank], round_up_counts(host[R * R: -2], expert_alignment)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
@@ -383,7 +383,7 @@ class NvlinkBackend(Backend):
         if plan.counts is not None and t.copy_engine_combine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
-            pieces = t.combine_pieces or min(8, max(2, 12 // max(R - 1, 1)))
+            pieces = max(1, min(t.combine_pieces, MAX_CHANNELS))
             if plan.combine_copies is None:
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
             self._peer_streams.fork(combine_copy_jobs(
