@@ -48,6 +48,19 @@ def set_stream(stream: torch.cuda.Stream | tuple[int, int, int]) -> None:
     torch._C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
 
 
+_STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def current_stream() -> torch.cuda.Stream:
+    """The current CUDA stream as a Stream object made once per stream (``torch.cuda.current_stream``
+    makes a new one on every call, several microseconds of Python)."""
+    ids = current_stream_ids()
+    stream = _STREAMS.get(ids)
+    if stream is None:
+        stream = _STREAMS[ids] = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+    return stream
+
+
 class _StreamSwitch:
     """What ``on_comm_stream`` needs per communication stream, made once: ``torch.cuda.stream``,
     ``current_stream`` and ``wait_stream`` are Python-heavy and create an event per call, tens
@@ -56,15 +69,6 @@ class _StreamSwitch:
 
     def __init__(self) -> None:
         self.to_comm, self.to_compute = torch.cuda.Event(), torch.cuda.Event()
-        self.streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
-
-    def current(self) -> tuple[tuple[int, int, int], torch.cuda.Stream]:
-        """The current stream of the current device, as ids and as a (cached) Stream."""
-        ids = current_stream_ids()
-        stream = self.streams.get(ids)
-        if stream is None:
-            stream = self.streams[ids] = torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
-        return ids, stream
 
 
 @contextmanager
@@ -82,7 +86,7 @@ def on_comm_stream(
     switch = getattr(comm_stream, "_tritonep_switch", None)   # made once, lives with the stream
     if switch is None:
         switch = comm_stream._tritonep_switch = _StreamSwitch()
-    compute_ids, compute_stream = switch.current()
+    compute_ids, compute_stream = current_stream_ids(), current_stream()
     if waits_for_event:
         comm_stream.wait_event(previous_event.event)
     else:

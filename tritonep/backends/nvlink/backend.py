@@ -20,6 +20,7 @@ from ...checks import InputError
 from ...config import Config
 from ...handles import DispatchHandle, LowLatencyHandle
 from ...routing import count_rows_from_prefix, round_up_counts
+from ...streams import current_stream
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_copy_engine import combine_copies, combine_copy_jobs
 from .combine_kernel import combine_kernel
@@ -54,7 +55,7 @@ class Tuning:
     # Dispatch: senders push to peers; receivers gather our own rows, then copy arrived ones out.
     sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
     combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.375"))
-    rows: int = int(os.environ.get("TRITONEP_ROWS", "8"))
+    rows: int = int(os.environ.get("TRITONEP_ROWS", "0"))          # rows per tile; 0: by row size (_tile_rows)
     block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
     warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
     tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
@@ -236,6 +237,9 @@ class NvlinkBackend(Backend):
         R = self.num_ranks
         per_expert: list[int] | None = None
         counts_copied = None
+        # The point of the current stream after which the side stream may run (the receive half,
+        # and the counts' copy to the host): the send half, queued next here, is not waited for.
+        receive_after = None
         if handle is not None:
             plan: SendPlan = handle.backend_state
             prefix, num_out_rows = handle.rank_prefix_matrix, handle.num_recv_rows
@@ -257,7 +261,8 @@ class NvlinkBackend(Backend):
                 num_out_rows, per_expert = request.num_worst_tokens, []
                 self._remember_padding(prefix, num_out_rows)
             else:
-                counts_copied = self._copy_counts(result)
+                receive_after = self._receive_streams.mark()
+                counts_copied = self._copy_counts(result, receive_after)
         senders, receivers = _split_programs(request.config.num_sms, self.tuning.sender_fraction)
         self.dispatch_epoch += 1
         t = self.tuning
@@ -273,18 +278,19 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=t.rows, BLOCK=min(_pow2(x_words), t.block),
-            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS)
+            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=_tile_rows(t.rows, row_bytes), BLOCK=min(_pow2(x_words), t.block),
+            SIGNAL_EVERY=max(1, 32 // _tile_rows(t.rows, row_bytes)), GPU=GPU_KERNELS)
         # The send half writes only into peers' staging: it needs no output and no host count.
-        receive_after = self._receive_streams.mark()
+        if receive_after is None:
+            receive_after = self._receive_streams.mark()
         if R > 1:
             unused = self._placeholder(torch.int32)
             _DISPATCH(senders, None, inputs + (unused, unused, self._placeholder(torch.int64),
                                                self._placeholder(torch.float32), unused, 0) + rest,
                       dict(constants, SEND=True), t.warps)
         if counts_copied is not None:
-            num_out_rows, per_expert = self._read_counts(counts_copied, plan, capacity, row_bytes,
-                                                         request.expert_alignment)
+            host = self._read_counts(counts_copied, capacity, row_bytes)
+            num_out_rows = host[R * (R - 1) + self.rank]
         device = self._device
         recv_x = torch.empty(num_out_rows, hidden, dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(num_out_rows, scale_words, dtype=scales.dtype,
@@ -308,28 +314,40 @@ class NvlinkBackend(Backend):
         self._receive_streams.join()
         self.dispatch_released += receivers
         self._after_launch()
+        if counts_copied is not None:   # host bookkeeping, after the launch
+            plan.counts = count_rows_from_prefix(host[: R * R], R)
+            plan.max_send_rows = max(map(sum, plan.counts))
+            per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
         if handle is None:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, hidden,
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
 
-    def _copy_counts(self, result: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying the count exchange's result to pinned host memory; the event marks it done."""
+    def _copy_counts(self, result: torch.Tensor, after: torch.cuda.Event | None
+                     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copy the count exchange's result to pinned host memory on the side stream (from the
+        point ``after``), so that the send half queued on the current stream starts at once;
+        the returned event marks the copy done."""
         if INTERPRET:
             return result, None
         if self._counts_host.numel() < result.numel():
             self._counts_host = torch.empty(result.numel(), dtype=torch.int32, device="cpu", pin_memory=True)
         host = self._counts_host[: result.numel()]
-        host.copy_(result, non_blocking=True)
-        self._after_launch()
-        self._counts_copied.record()
+
+        def copy() -> None:   # the status too: a timed-out exchange must show after the sync
+            self.status_host.copy_(self.status, non_blocking=True)
+            host.copy_(result, non_blocking=True)
+            self._counts_copied.record(current_stream())
+
+        self._receive_streams.fork([copy], after=after)
         return host, self._counts_copied
 
-    def _read_counts(self, copied: tuple[torch.Tensor, torch.cuda.Event | None], plan: SendPlan, capacity: int,
-                     row_bytes: int, expert_alignment: int) -> tuple[int, list[int]]:
+    def _read_counts(self, copied: tuple[torch.Tensor, torch.cuda.Event | None], capacity: int,
+                     row_bytes: int) -> list[int]:
         """The host sync of a fresh dispatch: wait for the counts (not for the send half queued
-        after them), raise on every rank alike if the exchange found a problem, fill in the
-        plan's counts. Returns (rows this rank receives, aligned per-expert counts)."""
+        after them) and raise on every rank alike if the exchange found a problem. Returns the
+        result as a list: ``rank_prefix_matrix`` (R * R, row-major), the per-local-expert
+        counts, the disagreeing ranks and the out-of-range ids."""
         host, event = copied
         if event is not None:
             event.synchronize()
@@ -337,15 +355,12 @@ class NvlinkBackend(Backend):
         R = self.num_ranks
         self.check_status()
         self._check_agreement(host[-2], host[-1])
-        # Plain lists: R is small, and torch ops on CPU tensors cost microseconds each.
         received = host[R * (R - 1): R * R]
         if max(received) > capacity:
             worst = received.index(max(received))
             raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
                              f"holds {capacity} rows of {row_bytes} bytes; make the Buffer with more num_nvl_bytes")
-        plan.counts = count_rows_from_prefix(host[: R * R], R)
-        plan.max_send_rows = max(map(sum, plan.counts))
-        return received[self.rank], round_up_counts(host[R * R: -2], expert_alignment)
+        return host
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
                 bias: tuple[torch.Tensor | None, torch.Tensor | None], config: Config
@@ -377,9 +392,9 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
             NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-            HAS_BIAS1=bias[1] is not None, ROWS=t.rows, COPY_BLOCK=min(_pow2(hidden // 2), t.block),
-            BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens, STAGE=t.stage,
-            SIGNAL_EVERY=max(1, 32 // t.rows), GPU=GPU_KERNELS)
+            HAS_BIAS1=bias[1] is not None, ROWS=_tile_rows(t.rows, 2 * hidden),
+            COPY_BLOCK=min(_pow2(hidden // 2), t.block), BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
+            STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // _tile_rows(t.rows, 2 * hidden)), GPU=GPU_KERNELS)
         if plan.counts is not None and t.copy_engine_combine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
@@ -434,6 +449,17 @@ class NvlinkBackend(Backend):
             self._memory.release()
         if self._low_latency is not None:
             self._low_latency.release()
+
+
+def _tile_rows(rows: int, row_bytes: int) -> int:
+    """Rows per tile of the row-moving loops: ``rows`` if set, else enough rows for about 128 KB
+    in flight per tile (8 rows of bf16 hidden 7168, 16 of fp8), between 8 and 32. A tile's
+    time is mostly its load latency, so an fp8 tile of 8 rows moved half the bytes of a bf16
+    tile in about the same time."""
+    if rows:
+        return rows
+    fit = max(1, 131072 // max(row_bytes, 1))
+    return min(32, max(8, 1 << (fit.bit_length() - 1)))
 
 
 def _pow2(value: int) -> int:

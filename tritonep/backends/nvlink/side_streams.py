@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...streams import current_stream_ids, set_stream
+from ...streams import current_stream, current_stream_ids, set_stream
 
 
 class PeerStreams:
@@ -35,7 +35,7 @@ class PeerStreams:
         """Record, now, the point of the current stream that a later ``fork(after=...)`` starts from."""
         if not self._gpu:
             return None
-        self._ready.record(torch.cuda.current_stream())
+        self._ready.record(current_stream())
         return self._ready
 
     def fork(self, jobs: list[Callable[[], None]], after: torch.cuda.Event | None = None) -> None:
@@ -59,12 +59,12 @@ class PeerStreams:
             finally:
                 set_stream(current)
             done.record(stream)
-        self._forked = len(jobs)
+        self._forked = max(self._forked, len(jobs))
 
     def join(self) -> None:
-        """The current stream waits for every job of the last ``fork``."""
+        """The current stream waits for every job forked since the last ``join``."""
         if self._gpu:
-            current_stream = torch.cuda.current_stream()
+            stream = current_stream()
             for done in self._done[: self._forked]:
-                current_stream.wait_event(done)
+                stream.wait_event(done)
         self._forked = 0
