@@ -2,8 +2,8 @@
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
 #   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|compat|shared|host|sweep]
-#     normal: normal mode only (tests, profile, HOST_PROBE=1: host-path probe, bench with DeepEP;
-#     DeepEP builds during the tests);
+#     normal: normal mode (tests, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench
+#     with DeepEP, low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
 #     full: GPU tests, benchmark (SWEEP=0: without its sweeps; DeepEP side by side when
 #     .bench_deps holds its sources), demo; tests / bench: the first / the second part alone;
 #     profile: scripts/normal_profile.py (kernel and copy times of the normal-mode calls);
@@ -152,8 +152,8 @@ if [ "$MODE" = normal ]; then
     timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -rf ${NORMAL_TESTS:-tests/test_nvlink.py} \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  echo "== profile"
-  timeout 120 python3 scripts/normal_profile.py --json "$OUT/normal_profile.json" \
+  [ "${PROFILE:-1}" = 0 ] || echo "== profile"
+  [ "${PROFILE:-1}" = 0 ] || timeout 120 python3 scripts/normal_profile.py --json "$OUT/normal_profile.json" \
     ${COMBINE_VARIANTS:+--combine-variants $COMBINE_VARIANTS} 2>&1 | grep -v Warning \
     | tee "$OUT/normal_profile.log" | tail -60
   if [ -n "${HOST_PROBE:-}" ]; then   # the host path of each call, with cProfile
@@ -166,7 +166,7 @@ if [ "$MODE" = normal ]; then
     export PYTHONPATH="/tmp/deepep:$PYTHONPATH"
   fi
   echo "== benchmark (normal mode)"
-  timeout ${BENCH_TIMEOUT:-200} python3 -m tritonep.bench --skip-low-latency --vs-deepep ${BENCH_ARGS:-} \
+  timeout ${BENCH_TIMEOUT:-200} python3 -m tritonep.bench --vs-deepep ${BENCH_ARGS:---skip-low-latency} \
     --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   exit $status

@@ -66,6 +66,9 @@ class Tuning:
     # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2).
     copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
     combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "2"))
+    # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
+    # as one would without the overlap; for A/B runs).
+    send_before_sync: bool = os.environ.get("TRITONEP_SEND_BEFORE_SYNC", "1") == "1"
 
 
 def _split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
@@ -283,14 +286,21 @@ class NvlinkBackend(Backend):
         # The send half writes only into peers' staging: it needs no output and no host count.
         if receive_after is None:
             receive_after = self._receive_streams.mark()
-        if R > 1:
-            unused = self._placeholder(torch.int32)
-            _DISPATCH(senders, None, inputs + (unused, unused, self._placeholder(torch.int64),
-                                               self._placeholder(torch.float32), unused, 0) + rest,
-                      dict(constants, SEND=True), t.warps)
+
+        def send() -> None:
+            if R > 1:
+                unused = self._placeholder(torch.int32)
+                _DISPATCH(senders, None, inputs + (unused, unused, self._placeholder(torch.int64),
+                                                   self._placeholder(torch.float32), unused, 0) + rest,
+                          dict(constants, SEND=True), t.warps)
+
+        if counts_copied is None or t.send_before_sync:
+            send()
         if counts_copied is not None:
             host = self._read_counts(counts_copied, capacity, row_bytes)
             num_out_rows = host[R * (R - 1) + self.rank]
+            if not t.send_before_sync:
+                send()
         device = self._device
         recv_x = torch.empty(num_out_rows, hidden, dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(num_out_rows, scale_words, dtype=scales.dtype,
