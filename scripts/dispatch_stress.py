@@ -28,8 +28,8 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     default = nvlink.backend.tuning
     failures: dict[str, list] = {}
     for variant in args.variants:
-        change = {} if variant == "defaults" else {
-            key: _parse(getattr(default, key), value) for key, value in (item.split("=") for item in variant.split(","))}
+        pairs = [] if variant == "defaults" else [item.split("=") for item in variant.split(",")]
+        change = {key: _parse(getattr(default, key), value) for key, value in pairs}
         nvlink.backend.tuning = dataclasses.replace(default, **change)
         rng = random.Random(1)
         failures[variant] = []
