@@ -9,6 +9,7 @@ prefix matrix); combine within float32-accumulation rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -149,11 +150,18 @@ def _mismatches(name: str, got, expected) -> list[str]:
     return [] if got == expected else [f"{name}: got {got} expected {expected}"]
 
 
-def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24) -> list[str]:
-    """Returns the list of mismatches on this rank (empty when the backends agree)."""
+def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
+                 tuning: dict | None = None) -> list[str]:
+    """Returns the list of mismatches on this rank (empty when the backends agree). ``tuning``:
+    changes to the NVLink backend's ``Tuning`` for this case (kernel shapes, paths)."""
     nvlink, cpu = _buffers(group, nvl_bytes)
     inputs = make_inputs(case, group.rank(), group.size())
-    got = _run(nvlink, case, inputs, nvlink.device)
+    default = nvlink.backend.tuning
+    nvlink.backend.tuning = dataclasses.replace(default, **(tuning or {}))
+    try:
+        got = _run(nvlink, case, inputs, nvlink.device)
+    finally:
+        nvlink.backend.tuning = default
     expected = _run(cpu, case, inputs, torch.device("cpu"))
     return [m for key in expected for m in _mismatches(key, got[key], expected[key])]
 

@@ -20,9 +20,9 @@ from torch_defaults import pool_options
 from tritonep.launch import RankPool, gpu_ranks
 
 
-def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22) -> None:
-    failures = pool.run(compare_case, case, nvl_bytes)
-    assert all(not f for f in failures), f"{case}: {failures}"
+def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22, tuning: dict | None = None) -> None:
+    failures = pool.run(compare_case, case, nvl_bytes, tuning)
+    assert all(not f for f in failures), f"{case} {tuning or ''}: {failures}"
 
 
 INTERPRETER_CASES = [
@@ -42,6 +42,21 @@ INTERPRETER_CASES = [
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: f"seed{c.seed}-R{len(c.tokens)}")
 def test_interpreter_matches_cpu_backend(interpreter_pools, case: Case) -> None:
     _check(interpreter_pools(len(case.tokens)), case)
+
+
+# The paths and shapes the defaults do not take: the copy-engine combine in 1 or 3 pieces per
+# peer, the SM-only combine, the send half launched after the host read the counts, tiles of
+# other row counts. Each must give the CPU backend's results.
+TUNING_VARIANTS = [dict(combine_pieces=1), dict(combine_pieces=3), dict(copy_engine_combine=False),
+                   dict(send_before_sync=False), dict(rows=4), dict(rows=8, sender_fraction=0.75)]
+
+
+@pytest.mark.parametrize("tuning", TUNING_VARIANTS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
+def test_interpreter_tuning_variants(interpreter_pools, tuning: dict) -> None:
+    for num_ranks, seed in ((2, 40), (3, 41)):
+        case = Case(seed=seed, tokens=(23, 40, 9)[:num_ranks], hidden=256, num_experts=12, num_topk=3,
+                    fp8=seed % 2 == 1, bias=True, num_sms=5)
+        _check(interpreter_pools(num_ranks), case, tuning=tuning)
 
 
 def test_interpreter_repeated_calls_reuse_staging(interpreter_pools) -> None:

@@ -1,0 +1,75 @@
+"""The NVLink backend's host-side arithmetic, checked without kernels: where the copy-engine
+combine copies each block, how blocks split into pieces, rows per tile, the count matrix read
+back by a fresh dispatch, and the side streams' CPU fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from tritonep import routing  # noqa: E402
+from tritonep.backends.nvlink.backend import _tile_rows  # noqa: E402
+from tritonep.backends.nvlink.combine_copy_engine import combine_copies, piece_range  # noqa: E402
+from tritonep.backends.nvlink.side_streams import PeerStreams  # noqa: E402
+
+count_matrices = st.integers(1, 6).flatmap(
+    lambda r: st.lists(st.lists(st.integers(0, 50), min_size=r, max_size=r), min_size=r, max_size=r))
+
+
+@settings(max_examples=60, deadline=None)
+@given(count_matrices)
+def test_count_rows_from_prefix_inverts_rank_prefix_matrix(counts: list[list[int]]) -> None:
+    num_ranks = len(counts)
+    prefix = routing.rank_prefix_matrix(torch.tensor(counts, dtype=torch.int64))
+    assert routing.count_rows_from_prefix(prefix.flatten().tolist(), num_ranks) == counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(count_matrices)
+def test_combine_copies_return_each_block_to_where_its_source_reduces_it(counts: list[list[int]]) -> None:
+    """Rebuild both sides row by row: an expert rank's x holds the rows from each source in
+    source order; a source's staging holds the rows returned by each expert rank in rank
+    order. Every copy must take exactly the rows from one source and put them where that
+    source expects the rows of this expert rank, and every non-empty block must be copied once."""
+    num_ranks = len(counts)
+    for me in range(num_ranks):
+        x_rows = [(source, i) for source in range(num_ranks) for i in range(counts[source][me])]
+        copied = set()
+        for peer, start, rows, offset in combine_copies(counts, me):
+            assert peer != me and rows == counts[peer][me] > 0
+            assert x_rows[start: start + rows] == [(peer, i) for i in range(rows)]
+            staging = [(expert_rank, i) for expert_rank in range(num_ranks) for i in range(counts[peer][expert_rank])]
+            assert staging[offset: offset + rows] == [(me, i) for i in range(rows)]
+            copied.add(peer)
+        assert copied == {p for p in range(num_ranks) if p != me and counts[p][me] > 0}
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1000])
+@pytest.mark.parametrize("pieces", [1, 2, 3, 8])
+def test_pieces_cover_a_block_once_in_order(count: int, pieces: int) -> None:
+    ranges = [piece_range(count, piece, pieces) for piece in range(pieces)]
+    assert [row for lo, hi in ranges for row in range(lo, hi)] == list(range(count))
+    # The reducers find piece c of a block at rows [c * ceil(count / pieces), ...) (rows.channel_range).
+    size = -(-count // pieces)
+    assert all(lo == min(piece * size, count) for piece, (lo, _) in enumerate(ranges))
+
+
+def test_tile_rows_keep_about_128_kb_per_tile() -> None:
+    assert _tile_rows(0, 7168 * 2) == 8          # bf16, hidden 7168
+    assert _tile_rows(0, 7168 + 56 * 4) == 16    # fp8 rows of hidden 7168
+    assert _tile_rows(0, 2048 * 2) == 32         # capped
+    assert _tile_rows(0, 1 << 20) == 8           # at least 8
+    assert _tile_rows(4, 7168 * 2) == 4          # set by hand (TRITONEP_ROWS)
+
+
+def test_peer_streams_run_jobs_in_order_without_a_gpu() -> None:
+    streams, order = PeerStreams(torch.device("cpu")), []
+    assert streams.mark() is None
+    streams.fork([lambda: order.append(1), lambda: order.append(2)])
+    streams.fork([lambda: order.append(3)], after=None)
+    streams.join()
+    assert order == [1, 2, 3]
