@@ -134,9 +134,14 @@ def dispatch_kernel(
             tail = my_signals + TAIL_WORD + source * MAX_CHANNELS + sender
             done = 0
             while done < hi - lo:
-                arrived = wait_at_least(tail, stamp + done + 1, status_ptr, timeout_ns, PHASE_DISPATCH_DATA,
-                                        source, GPU)
-                arrived = tl.minimum(arrived - stamp, (hi - lo).to(tl.int64)).to(tl.int32)
+                # Wait for the next value the sender publishes (every SIGNAL_EVERY tiles, and at
+                # the end), not for "whatever has arrived": every thread reads the counter for
+                # itself, and bounds taken from what each one saw could differ between threads,
+                # while the copy below has CTA-wide barriers (layout conversions) that all
+                # threads must reach equally often (the likely cause of one rare mismatch seen on
+                # 2 x H200: fp8 scales of some rows wrong, the rows themselves right).
+                arrived = tl.minimum(done + ROWS * SIGNAL_EVERY, hi - lo)
+                wait_at_least(tail, stamp + arrived, status_ptr, timeout_ns, PHASE_DISPATCH_DATA, source, GPU)
                 for row0 in range(start + lo + done, start + lo + arrived, ROWS):
                     rows = row0 + tl.arange(0, ROWS)
                     mask = (rows < start + lo + arrived) & (rows < num_out_rows)
