@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from tritonep import routing  # noqa: E402
-from tritonep.backends.nvlink.backend import _tile_rows  # noqa: E402
 from tritonep.backends.nvlink.combine_copy_engine import combine_copies, piece_range  # noqa: E402
 from tritonep.backends.nvlink.side_streams import PeerStreams  # noqa: E402
+from tritonep.backends.nvlink.tuning import tile_rows  # noqa: E402
 
 count_matrices = st.integers(1, 6).flatmap(
     lambda r: st.lists(st.lists(st.integers(0, 50), min_size=r, max_size=r), min_size=r, max_size=r))
@@ -59,11 +59,11 @@ def test_pieces_cover_a_block_once_in_order(count: int, pieces: int) -> None:
 
 
 def test_tile_rows_keep_about_128_kb_per_tile() -> None:
-    assert _tile_rows(0, 7168 * 2) == 8          # bf16, hidden 7168
-    assert _tile_rows(0, 7168 + 56 * 4) == 16    # fp8 rows of hidden 7168
-    assert _tile_rows(0, 2048 * 2) == 32         # capped
-    assert _tile_rows(0, 1 << 20) == 8           # at least 8
-    assert _tile_rows(4, 7168 * 2) == 4          # set by hand (TRITONEP_ROWS)
+    assert tile_rows(0, 7168 * 2) == 8          # bf16, hidden 7168
+    assert tile_rows(0, 7168 + 56 * 4) == 16    # fp8 rows of hidden 7168
+    assert tile_rows(0, 2048 * 2) == 32         # capped
+    assert tile_rows(0, 1 << 20) == 8           # at least 8
+    assert tile_rows(4, 7168 * 2) == 4          # set by hand (TRITONEP_ROWS)
 
 
 def test_peer_streams_run_jobs_in_order_without_a_gpu() -> None:

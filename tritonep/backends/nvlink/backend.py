@@ -32,6 +32,7 @@ from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import notify_dispatch
 from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
+from .tuning import Tuning, split_programs, tile_rows
 
 _DISPATCH = FastLauncher(dispatch_kernel)
 _COMBINE = FastLauncher(combine_kernel)
@@ -46,35 +47,6 @@ class SendPlan:
     max_send_rows: int | None       # largest number of rows any rank sends (None if not read back)
     counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d, when read back
     combine_copies: list[tuple[int, int, int, int]] | None = None   # made by the first combine (CE path)
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Kernel shape; environment overrides exist for the benchmark's sweeps."""
-
-    # Dispatch: senders push to peers; receivers gather our own rows, then copy arrived ones out.
-    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
-    combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.375"))
-    rows: int = int(os.environ.get("TRITONEP_ROWS", "0"))          # rows per tile; 0: by row size (_tile_rows)
-    block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
-    warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
-    tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
-    combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
-    stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
-    # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
-    # this many pieces per peer (each piece costs a copy and a kernel launch on the host, and a
-    # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2).
-    copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
-    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "2"))
-    # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
-    # as one would without the overlap; for A/B runs).
-    send_before_sync: bool = os.environ.get("TRITONEP_SEND_BEFORE_SYNC", "1") == "1"
-
-
-def _split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
-    total = max(2, min(num_sms, MAX_CHANNELS))
-    senders = min(max(1, round(total * fraction)), total - 1)
-    return senders, total - senders
 
 
 class NvlinkBackend(Backend):
@@ -266,7 +238,7 @@ class NvlinkBackend(Backend):
             else:
                 receive_after = self._receive_streams.mark()
                 counts_copied = self._copy_counts(result, receive_after)
-        senders, receivers = _split_programs(request.config.num_sms, self.tuning.sender_fraction)
+        senders, receivers = split_programs(request.config.num_sms, self.tuning.sender_fraction)
         self.dispatch_epoch += 1
         t = self.tuning
         words = x.view(torch.int32) if x.dim() == 2 else x
@@ -281,8 +253,8 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=_tile_rows(t.rows, row_bytes), BLOCK=min(_pow2(x_words), t.block),
-            SIGNAL_EVERY=max(1, 32 // _tile_rows(t.rows, row_bytes)), GPU=GPU_KERNELS)
+            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=tile_rows(t.rows, row_bytes), BLOCK=min(_pow2(x_words), t.block),
+            SIGNAL_EVERY=max(1, 32 // tile_rows(t.rows, row_bytes)), GPU=GPU_KERNELS)
         # The send half writes only into peers' staging: it needs no output and no host count.
         if receive_after is None:
             receive_after = self._receive_streams.mark()
@@ -402,9 +374,9 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
             NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-            HAS_BIAS1=bias[1] is not None, ROWS=_tile_rows(t.rows, 2 * hidden),
+            HAS_BIAS1=bias[1] is not None, ROWS=tile_rows(t.rows, 2 * hidden),
             COPY_BLOCK=min(_pow2(hidden // 2), t.block), BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
-            STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // _tile_rows(t.rows, 2 * hidden)), GPU=GPU_KERNELS)
+            STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // tile_rows(t.rows, 2 * hidden)), GPU=GPU_KERNELS)
         if plan.counts is not None and t.copy_engine_combine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
@@ -419,7 +391,7 @@ class NvlinkBackend(Backend):
                                                 NUM_CHANNELS=pieces), t.warps)
             self._peer_streams.join()
         else:
-            senders, reducers = _split_programs(config.num_sms, t.combine_sender_fraction)
+            senders, reducers = split_programs(config.num_sms, t.combine_sender_fraction)
             _COMBINE(senders + reducers, None, args, dict(constants, NUM_SENDERS=senders, NUM_REDUCERS=reducers,
                                                           NUM_CHANNELS=senders), t.warps)
         self.combine_released += reducers
@@ -459,17 +431,6 @@ class NvlinkBackend(Backend):
             self._memory.release()
         if self._low_latency is not None:
             self._low_latency.release()
-
-
-def _tile_rows(rows: int, row_bytes: int) -> int:
-    """Rows per tile of the row-moving loops: ``rows`` if set, else enough rows for about 128 KB
-    in flight per tile (8 rows of bf16 hidden 7168, 16 of fp8), between 8 and 32. A tile's
-    time is mostly its load latency, so an fp8 tile of 8 rows moved half the bytes of a bf16
-    tile in about the same time."""
-    if rows:
-        return rows
-    fit = max(1, 131072 // max(row_bytes, 1))
-    return min(32, max(8, 1 << (fit.bit_length() - 1)))
 
 
 def _pow2(value: int) -> int:

@@ -1,0 +1,51 @@
+"""The NVLink kernels' shapes: how num_sms splits into program roles, rows per tile, the
+combine's path. Every field has an environment override, for the benchmark's sweeps and A/B
+runs (``scripts/normal_profile.py``, ``scripts/dispatch_stress.py`` replace it per Buffer)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .memory import MAX_CHANNELS
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Kernel shape; environment overrides exist for the benchmark's sweeps."""
+
+    # Dispatch: senders push to peers; receivers gather our own rows, then copy arrived ones out.
+    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
+    combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.375"))
+    rows: int = int(os.environ.get("TRITONEP_ROWS", "0"))          # rows per tile; 0: by row size (tile_rows)
+    block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
+    warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
+    tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
+    combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
+    stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
+    # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
+    # this many pieces per peer (each piece costs a copy and a kernel launch on the host, and a
+    # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2).
+    copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
+    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "2"))
+    # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
+    # as one would without the overlap; for A/B runs).
+    send_before_sync: bool = os.environ.get("TRITONEP_SEND_BEFORE_SYNC", "1") == "1"
+
+
+def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
+    """(senders, receivers) out of ``num_sms`` programs (at least one of each)."""
+    total = max(2, min(num_sms, MAX_CHANNELS))
+    senders = min(max(1, round(total * fraction)), total - 1)
+    return senders, total - senders
+
+
+def tile_rows(rows: int, row_bytes: int) -> int:
+    """Rows per tile of the row-moving loops: ``rows`` if set, else enough rows for about 128 KB
+    in flight per tile (8 rows of bf16 hidden 7168, 16 of fp8), between 8 and 32. A tile's
+    time is mostly its load latency, so an fp8 tile of 8 rows moved half the bytes of a bf16
+    tile in about the same time."""
+    if rows:
+        return rows
+    fit = max(1, 131072 // max(row_bytes, 1))
+    return min(32, max(8, 1 << (fit.bit_length() - 1)))
