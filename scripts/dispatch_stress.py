@@ -1,7 +1,10 @@
 """Repeat one normal-mode case many times on the GPUs, under kernel-shape variants, and count
 the rounds whose results differ from the CPU backend: for races that show once in hundreds.
 
-    PYTHONPATH=.:tests python scripts/dispatch_stress.py [--rounds 25] [--variants "defaults rows=8"]
+    PYTHONPATH=.:tests python scripts/dispatch_stress.py [--rounds 25] [--variants defaults rows=8]
+
+One rank per GPU; on a machine without GPUs, two CPU ranks (with ``TRITON_INTERPRET=1``: the
+kernels in Triton's interpreter, slowly).
 
 A variant is ``defaults`` or ``field=value[,field=value]`` of the NVLink backend's ``Tuning``.
 """
@@ -49,7 +52,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--variants", nargs="*", default=["defaults"])
     args = parser.parse_args()
-    with RankPool(torch.cuda.device_count(), use_gpu=True, timeout=900) as pool:
+    gpus = torch.cuda.device_count()   # without GPUs: 2 CPU ranks (run under TRITON_INTERPRET=1)
+    with RankPool(gpus or 2, use_gpu=gpus > 0, timeout=900) as pool:
         reports = pool.run(run_rank, args)
     for variant in args.variants:
         bad = [report[variant] for report in reports]

@@ -2,8 +2,9 @@
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
 #   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|compat|shared|host|sweep]
-#     normal: normal mode (tests, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench
-#     with DeepEP, low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
+#     normal: normal mode (tests, STRESS=N: N rounds of scripts/dispatch_stress.py per
+#     STRESS_VARIANTS, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench with DeepEP,
+#     low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
 #     full: GPU tests, benchmark (SWEEP=0: without its sweeps; DeepEP side by side when
 #     .bench_deps holds its sources), demo; tests / bench: the first / the second part alone;
 #     profile: scripts/normal_profile.py (kernel and copy times of the normal-mode calls);
@@ -152,6 +153,12 @@ if [ "$MODE" = normal ]; then
     timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -rf ${NORMAL_TESTS:-tests/test_nvlink.py} \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ -n "${STRESS:-}" ]; then   # repeated cases against the CPU backend, per Tuning variant
+    echo "== dispatch stress ($STRESS rounds per variant)"
+    PYTHONPATH="$PWD/tests:$PYTHONPATH" timeout 300 python3 scripts/dispatch_stress.py --rounds "$STRESS" \
+      --variants ${STRESS_VARIANTS:-defaults} 2>&1 | grep -v Warn | tee "$OUT/stress.log" | tail -12
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
   [ "${PROFILE:-1}" = 0 ] || echo "== profile"
   [ "${PROFILE:-1}" = 0 ] || timeout 120 python3 scripts/normal_profile.py --json "$OUT/normal_profile.json" \
     ${COMBINE_VARIANTS:+--combine-variants $COMBINE_VARIANTS} 2>&1 | grep -v Warning \
