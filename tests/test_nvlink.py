@@ -139,6 +139,17 @@ def test_gpu_race_loop(gpu_pool) -> None:
 
 
 @pytest.mark.gpu(min_gpus=1)
+def test_gpu_fresh_then_cached_dispatch_repeated(gpu_pool) -> None:
+    """The shape of the one race-loop failure of 2026-11-24 (fp8 hidden 2048, one rank with a
+    single token, 8 SMs), many times: a receiver that released the peer's staging before all
+    its threads had copied it let the next (cached) dispatch overwrite rows still being read."""
+    for round_ in range(40):
+        case = Case(seed=10098 + round_, tokens=_tokens(gpu_pool, 1, 1500), hidden=2048,
+                    num_experts=_experts(gpu_pool, 16), num_topk=4, fp8=round_ % 4 != 3, num_sms=8)
+        _check(gpu_pool, case, nvl_bytes=1 << 30)
+
+
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_invalid_expert_id_raises_on_every_rank(gpu_pool) -> None:
     messages = gpu_pool.run(invalid_expert_id_error)
     assert all("outside [-1, num_experts)" in m for m in messages), messages
