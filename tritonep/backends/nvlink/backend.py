@@ -32,7 +32,7 @@ from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import notify_dispatch
 from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
-from .tuning import Tuning, split_programs, tile_rows
+from .tuning import Tuning, split_programs, tile_shape
 
 _DISPATCH = FastLauncher(dispatch_kernel)
 _COMBINE = FastLauncher(combine_kernel)
@@ -253,8 +253,8 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), ROWS=tile_rows(t.rows, row_bytes), BLOCK=min(_pow2(x_words), t.block),
-            SIGNAL_EVERY=max(1, 32 // tile_rows(t.rows, row_bytes)), GPU=GPU_KERNELS)
+            TOPK_PAD=_pow2(max(num_topk, 1)), BLOCK=min(_pow2(x_words), t.block), GPU=GPU_KERNELS,
+            **tile_shape(t.rows, row_bytes))
         # The send half writes only into peers' staging: it needs no output and no host count.
         if receive_after is None:
             receive_after = self._receive_streams.mark()
@@ -374,9 +374,9 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
             NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-            HAS_BIAS1=bias[1] is not None, ROWS=tile_rows(t.rows, 2 * hidden),
-            COPY_BLOCK=min(_pow2(hidden // 2), t.block), BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
-            STAGE=t.stage, SIGNAL_EVERY=max(1, 32 // tile_rows(t.rows, 2 * hidden)), GPU=GPU_KERNELS)
+            HAS_BIAS1=bias[1] is not None, COPY_BLOCK=min(_pow2(hidden // 2), t.block),
+            BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens, STAGE=t.stage, GPU=GPU_KERNELS,
+            **tile_shape(t.rows, 2 * hidden))
         if plan.counts is not None and t.copy_engine_combine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).

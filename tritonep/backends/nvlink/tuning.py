@@ -49,3 +49,10 @@ def tile_rows(rows: int, row_bytes: int) -> int:
         return rows
     fit = max(1, 131072 // max(row_bytes, 1))
     return min(32, max(8, 1 << (fit.bit_length() - 1)))
+
+
+def tile_shape(rows: int, row_bytes: int) -> dict[str, int]:
+    """The row-moving kernels' ROWS and SIGNAL_EVERY: senders publish their progress about
+    every 32 rows (receivers wait for exactly those values)."""
+    tile = tile_rows(rows, row_bytes)
+    return dict(ROWS=tile, SIGNAL_EVERY=max(1, 32 // tile))
