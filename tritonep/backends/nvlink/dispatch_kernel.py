@@ -136,10 +136,11 @@ def dispatch_kernel(
             while done < hi - lo:
                 # Wait for the next value the sender publishes (every SIGNAL_EVERY tiles, and at
                 # the end), not for "whatever has arrived": every thread reads the counter for
-                # itself, and bounds taken from what each one saw could differ between threads,
-                # while the copy below has CTA-wide barriers (layout conversions) that all
-                # threads must reach equally often (the likely cause of one rare mismatch seen on
-                # 2 x H200: fp8 scales of some rows wrong, the rows themselves right).
+                # itself, so bounds taken from what each one saw can differ between threads, and
+                # this loop holds CTA barriers (the one ending every wait) that all threads must
+                # pass equally often. With per-thread bounds a program could release the peer's
+                # staging while some of its threads were still copying from it (a rare wrong-
+                # scales failure on 2 x H200, 2026-11-24).
                 arrived = tl.minimum(done + ROWS * SIGNAL_EVERY, hi - lo)
                 seen = wait_at_least(tail, stamp + arrived, status_ptr, timeout_ns, PHASE_DISPATCH_DATA, source, GPU)
                 # A timed-out wait returns far above any count: give up on the channel rather
