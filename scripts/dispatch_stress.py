@@ -12,18 +12,14 @@ A variant is ``defaults`` or ``field=value[,field=value]`` of the NVLink backend
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 
 import torch
 import torch.distributed as dist
 from nvlink_cases import Case, _buffers, compare_case
 
+from tritonep.backends.nvlink.tuning import with_changes
 from tritonep.launch import RankPool
-
-
-def _parse(current: object, value: str) -> object:
-    return value in ("1", "true", "True") if isinstance(current, bool) else type(current)(value)
 
 
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
@@ -31,9 +27,7 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     default = nvlink.backend.tuning
     failures: dict[str, list] = {}
     for variant in args.variants:
-        pairs = [] if variant == "defaults" else [item.split("=") for item in variant.split(",")]
-        change = {key: _parse(getattr(default, key), value) for key, value in pairs}
-        nvlink.backend.tuning = dataclasses.replace(default, **change)
+        nvlink.backend.tuning = with_changes(default, variant)
         rng = random.Random(1)
         failures[variant] = []
         for round_ in range(args.rounds):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep
+from tritonep.backends.nvlink.tuning import with_changes
 from tritonep.bench import _median_us
 from tritonep.launch import RankPool
 
@@ -96,9 +97,7 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     buffer.backend.tuning = default
     report["combine_variants"] = {}
     for variant in args.combine_variants:
-        change = {key: type(getattr(default, key))(value)
-                  for key, value in (item.split("=") for item in variant.split(",") if "=" in item)}
-        buffer.backend.tuning = dataclasses.replace(default, **change)
+        buffer.backend.tuning = with_changes(default, variant)
         report["combine_variants"][variant] = round(_median_us(
             group, lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights, config=config), 30), 1)
     buffer.backend.tuning = default

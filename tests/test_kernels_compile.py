@@ -112,10 +112,6 @@ def test_combine_piece_signal_kernel_compiles(has_weights: bool) -> None:
         dict(HAS_WEIGHTS=has_weights, NUM_TOPK=8, BLOCK=1024))
 
 
-def _pow2(value: int) -> int:
-    return 1 << (value - 1).bit_length()
-
-
 # The low-latency kernels in each mode: fused (one launch), send half, receive half.
 LOW_LATENCY_MODES = [(True, True), (True, False), (False, True)]
 

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from tritonep import routing  # noqa: E402
 from tritonep.backends.nvlink.combine_copy_engine import combine_copies, piece_range  # noqa: E402
 from tritonep.backends.nvlink.side_streams import PeerStreams  # noqa: E402
-from tritonep.backends.nvlink.tuning import tile_rows  # noqa: E402
+from tritonep.backends.nvlink.tuning import Tuning, tile_rows, with_changes  # noqa: E402
 
 count_matrices = st.integers(1, 6).flatmap(
     lambda r: st.lists(st.lists(st.integers(0, 50), min_size=r, max_size=r), min_size=r, max_size=r))
@@ -73,3 +73,11 @@ def test_peer_streams_run_jobs_in_order_without_a_gpu() -> None:
     streams.fork([lambda: order.append(3)], after=None)
     streams.join()
     assert order == [1, 2, 3]
+
+
+def test_tuning_variants_parse_as_the_fields_types() -> None:
+    default = Tuning()
+    assert with_changes(default, "defaults") == default
+    changed = with_changes(default, "combine_pieces=3,send_before_sync=0,sender_fraction=0.75")
+    assert (changed.combine_pieces, changed.send_before_sync, changed.sender_fraction) == (3, False, 0.75)
+    assert with_changes(default, "copy_engine_combine=true").copy_engine_combine is True

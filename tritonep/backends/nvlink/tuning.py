@@ -4,6 +4,7 @@ runs (``scripts/normal_profile.py``, ``scripts/dispatch_stress.py`` replace it p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -56,3 +57,14 @@ def tile_shape(rows: int, row_bytes: int) -> dict[str, int]:
     every 32 rows (receivers wait for exactly those values)."""
     tile = tile_rows(rows, row_bytes)
     return dict(ROWS=tile, SIGNAL_EVERY=max(1, 32 // tile))
+
+
+def with_changes(tuning: Tuning, changes: str) -> Tuning:
+    """``tuning`` with ``"field=value[,field=value]"`` applied (``"defaults"``: none), values
+    read as the field's type (booleans as 1/0 or true/false): the scripts' variant syntax."""
+    fields = {}
+    for item in ([] if changes == "defaults" else changes.split(",")):
+        name, value = item.split("=")
+        current = getattr(tuning, name)
+        fields[name] = value in ("1", "true", "True") if isinstance(current, bool) else type(current)(value)
+    return dataclasses.replace(tuning, **fields)
