@@ -3,8 +3,9 @@ the rounds whose results differ from the CPU backend: for races that show once i
 
     PYTHONPATH=.:tests python scripts/dispatch_stress.py [--rounds 25] [--variants defaults rows=8]
 
-One rank per GPU; on a machine without GPUs, two CPU ranks (with ``TRITON_INTERPRET=1``: the
-kernels in Triton's interpreter, slowly).
+One rank per GPU, or ``TRITONEP_GPU_RANKS`` ranks sharing the GPUs (at least 2 on a one-GPU
+machine); on a machine without GPUs, two CPU ranks (with ``TRITON_INTERPRET=1``: the kernels in
+Triton's interpreter, slowly).
 
 A variant is ``defaults`` or ``field=value[,field=value]`` of the NVLink backend's ``Tuning``.
 """
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from nvlink_cases import Case, _buffers, compare_case
 
 from tritonep.backends.nvlink.tuning import with_changes
-from tritonep.launch import RankPool
+from tritonep.launch import RankPool, gpu_ranks
 
 
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
@@ -47,7 +48,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=["defaults"])
     args = parser.parse_args()
     gpus = torch.cuda.device_count()   # without GPUs: 2 CPU ranks (run under TRITON_INTERPRET=1)
-    with RankPool(gpus or 2, use_gpu=gpus > 0, timeout=900) as pool:
+    ranks = max(gpu_ranks(), 2) if gpus else 2
+    with RankPool(ranks, use_gpu=gpus > 0, timeout=900) as pool:
         reports = pool.run(run_rank, args)
     for variant in args.variants:
         bad = [report[variant] for report in reports]

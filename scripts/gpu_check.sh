@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|compat|shared|host|sweep]
+#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|compat|shared|host|sweep]
 #     normal: normal mode (tests, STRESS=N: N rounds of scripts/dispatch_stress.py per
 #     STRESS_VARIANTS, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench with DeepEP,
 #     low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
@@ -13,7 +13,8 @@
 #     the DeepEP compatibility tests, ll_sweep and the host-path probe (plain and under
 #     DeepEP's torch defaults), which also run on a machine with one GPU; shared: the GPU
 #     tests at SHARED_RANKS ranks (default "2 4") on however many GPUs there are, ranks sharing
-#     GPUs (correctness across processes, not speed; see tritonep/launch.py); host: for a
+#     GPUs (correctness across processes, not speed; see tritonep/launch.py; STRESS=N adds the
+#     dispatch stress at each rank count); host: for a
 #     machine with one GPU, the GPU tests at HOST_RANKS ranks (default 1), the host-path probes
 #     (A/B against BASELINE=path when set) and DeepEP's low-latency calls side by side.
 set -uo pipefail
@@ -36,16 +37,17 @@ status=0
 cat "$OUT/system.txt"
 
 # The low-latency kernels alone (CUDA-graph replay) over their tile shapes: LL_SWEEP lists
-# cast_groups:rows:warps[:programs per SM]; with BASELINE=path also a package copy from before a
-# change (its default shape), for an A/B in the same run.
+# rows:warps[:programs per SM[:receive rows]] (rows: the combine's rows per step; receive rows:
+# the dispatch receive's); with BASELINE=path also a package copy from before a change (its
+# default shape), for an A/B in the same run.
 ll_sweep() {
-  for shape in ${LL_SWEEP:-64:2:16:1 64:4:16:1 16:4:8:1 64:2:8:1}; do
-    IFS=: read -r groups rows warps per_sm <<< "$shape"
-    per_sm=${per_sm:-1}
-    echo "== low-latency kernels: cast_groups $groups, rows $rows, warps $warps, programs per SM $per_sm"
-    TRITONEP_LL_CAST_GROUPS=$groups TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps \
+  for shape in ${LL_SWEEP:-2:16:1:4 2:8:2:4 2:4:4:4}; do
+    IFS=: read -r rows warps per_sm recv_rows <<< "$shape"
+    per_sm=${per_sm:-1} recv_rows=${recv_rows:-4}
+    echo "== low-latency kernels: rows $rows, warps $warps, programs per SM $per_sm, receive rows $recv_rows"
+    TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps TRITONEP_LL_RECV_ROWS=$recv_rows \
       TRITONEP_LL_PROGRAMS_PER_SM=$per_sm timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
-      --json "$OUT/ll_$groups-$rows-$warps-$per_sm.json" 2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
+      --json "$OUT/ll_$rows-$warps-$per_sm-$recv_rows.json" 2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
   done
   if [ -n "${BASELINE:-}" ]; then
     echo "== low-latency kernels: baseline package $BASELINE"
@@ -69,6 +71,62 @@ PYEOF
 
 if [ "$MODE" = sweep ]; then
   ll_sweep
+  exit $status
+fi
+
+if [ "$MODE" = llprofile ]; then
+  # One GPU is enough: the low-latency kernels under Nsight Compute (warm launches of
+  # scripts/ll_kernel_profile.py: two single-launch dispatches, three send/receive pairs, a
+  # combine), the host path with cProfile, the LL_SWEEP shapes, and DeepEP's low-latency calls
+  # at one rank in the same run when .bench_deps holds its sources (built during the rest).
+  if [ -f .bench_deps/build_on_device.sh ]; then
+    (timeout 400 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1;
+     echo "exit $?" >> "$OUT/deepep_build.log") &
+    build=$!
+  fi
+  for kernel in dispatch combine; do
+    [ $kernel = dispatch ] && launches="--launch-skip 6 --launch-count 8" || launches="--launch-skip 4 --launch-count 1"
+    echo "== ncu: low_latency_${kernel}_kernel ($launches)"
+    timeout ${NCU_TIMEOUT:-200} ncu --clock-control none --set full --import-source yes -k "regex:low_latency_$kernel" \
+      $launches -f -o "$OUT/ncu_ll_$kernel" python3 scripts/ll_kernel_profile.py > "$OUT/ncu_ll_$kernel.log" 2>&1
+    echo "exit $?"; tail -n 3 "$OUT/ncu_ll_$kernel.log"
+    ncu -i "$OUT/ncu_ll_$kernel.ncu-rep" --page details > "$OUT/ncu_ll_${kernel}_details.txt" 2>&1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|One or More|No Eligible|Block Limit" \
+      "$OUT/ncu_ll_${kernel}_details.txt" | head -${NCU_LINES:-60}
+    ncu -i "$OUT/ncu_ll_$kernel.ncu-rep" --page source --csv --print-source cuda \
+      > "$OUT/ncu_ll_${kernel}_source.csv" 2>&1
+    # The source lines with the most warp-stall samples (all profiled launches together).
+    python3 - "$OUT/ncu_ll_${kernel}_source.csv" <<'PYEOF'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1], errors="replace")))
+header = next((i for i, row in enumerate(rows) if any("Sampling" in cell for cell in row)), None)
+if header is None:
+  print("no sampling column:", rows[:3]); sys.exit()
+names = rows[header]
+column = next(i for i, name in enumerate(names) if "Warp Stall Sampling (All" in name)
+source = next((i for i, name in enumerate(names) if name in ("Source", "# Source")), 1)
+line = next((i for i, name in enumerate(names) if name in ("Line", "#", "Address")), 0)
+def value(cell):
+  try: return float(cell.replace(",", ""))
+  except ValueError: return 0.0
+body = [row for row in rows[header + 1:] if len(row) > column]
+total = sum(value(row[column]) for row in body) or 1
+for row in sorted(body, key=lambda row: -value(row[column]))[:28]:
+  print(f"{100 * value(row[column]) / total:5.1f}%  {row[line][:6]:>6}  {row[source].strip()[:150]}")
+PYEOF
+  done
+  tar -C "$OUT" -czf "$OUT/ncu_ll.tgz" $(cd "$OUT" && ls ncu_ll_*) && (cd "$OUT" && rm -f ncu_ll_*)
+  echo "== host path probe, low-latency calls (cProfile per call)"
+  timeout 200 python3 scripts/host_path_probe.py --only-low-latency --profile --json "$OUT/host_path.json" \
+    > "$OUT/host_path.log" 2>&1 || status=1
+  grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|graph_us|tottime|\.py:" | head -${HOST_LINES:-70}
+  [ -z "${LL_SWEEP:-}" ] || ll_sweep
+  if [ -n "${build:-}" ]; then
+    wait "$build"; tail -n 2 "$OUT/deepep_build.log"
+    echo "== low-latency benchmark at one rank beside DeepEP"
+    PYTHONPATH="/tmp/deepep:$PYTHONPATH" timeout 200 python3 -m tritonep.bench --gpu --skip-normal --vs-deepep \
+      --hidden 7168 --ll-tokens 128 --ll-experts 288 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bench_ll.log" | tail -30
+  fi
   exit $status
 fi
 
@@ -136,6 +194,13 @@ if [ "$MODE" = shared ]; then
       tests/test_nvlink_low_latency.py tests/test_deep_ep_compat.py tests/test_deep_ep_compat_low_latency.py} \
       -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_shared_$ranks.log" | tail -12
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    if [ -n "${STRESS:-}" ]; then   # repeated normal-mode cases against the CPU backend
+      echo "== dispatch stress at $ranks ranks ($STRESS rounds per variant)"
+      TRITONEP_GPU_RANKS=$ranks PYTHONPATH="$PWD/tests:$PYTHONPATH" timeout ${STRESS_TIMEOUT:-300} \
+        python3 scripts/dispatch_stress.py --rounds "$STRESS" --variants ${STRESS_VARIANTS:-defaults} 2>&1 \
+        | grep -v Warn | tee "$OUT/stress_shared_$ranks.log" | tail -8
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    fi
   done
   exit $status
 fi

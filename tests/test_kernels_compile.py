@@ -133,11 +133,13 @@ def test_low_latency_dispatch_kernel_compiles(do_send: bool, do_recv: bool, use_
              status_address=1 << 40, timeout_ns=60 * 10**9, num_max_tokens=128, experts_per_rank=96),
         dict(NUM_RANKS=num_ranks, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=use_fp8,
              ROUND_SCALE=use_ue8m0, USE_UE8M0=use_ue8m0, HAS_RECV_STATS=True, HAS_WAIT_STATS=True,
-             HAS_MASK=has_mask, DO_SEND=do_send, DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=_pow2(num_ranks), ROWS=2,
-             CAST_GROUPS=64, BLOCK=2048),
+             HAS_MASK=has_mask, DO_SEND=do_send, DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=_pow2(num_ranks),
+             TOPK_PAD=8, RECV_ROWS=4, BLOCK=2048),
         num_warps=16)
     if use_fp8 and do_send:
         assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
+    if do_recv:   # received rows are copied in 16-byte loads (the messages' alignment is declared)
+        assert "ld.global.cg.v4" in kernel.asm["ptx"]
 
 
 @pytest.mark.parametrize("do_send,do_recv", LOW_LATENCY_MODES)

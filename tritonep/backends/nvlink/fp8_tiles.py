@@ -47,48 +47,34 @@ def _e4m3_bits_exact(values):
 
 
 @triton.jit
-def cast_rows_to_messages(x_ptr, tokens, x_row_stride, row_ok, messages, HIDDEN: tl.constexpr,
-                          SCALES_AT: tl.constexpr, ROUND_SCALE: tl.constexpr, GROUPS: tl.constexpr,
-                          GPU: tl.constexpr):
-    """Cast bf16 rows ``tokens`` of ``x`` to e4m3 and write them into ``messages`` (int32 [ROWS]
-    pointers, one message each): channel c as byte c of the message, the float32 scale of
-    group g as word ``SCALES_AT + g``. Rows with ``row_ok`` False are skipped.
+def cast_row(row_ptr, HIDDEN: tl.constexpr, GROUPS_PAD: tl.constexpr, ROUND_SCALE: tl.constexpr,
+             GPU: tl.constexpr):
+    """Cast one bf16 row of ``HIDDEN`` channels to e4m3: returns the bytes as uint8
+    [GROUPS_PAD, 128] (channel ``128 g + i`` at [g, i]; pad groups hold junk) and the float32
+    scales [GROUPS_PAD], one per 128 channels.
 
-    The row is walked in chunks of ``GROUPS`` groups of 128 channels, loaded straight into a
-    [ROWS, GROUPS, 128] tile: the amax of a group is a reduction over the last axis, with no
-    reshape (reshapes of whole rows made the compiler shuffle registers through shared memory).
-    Whole rows in one chunk measured fastest (more loads in flight); smaller chunks are there
-    for wider rows or tighter register budgets."""
-    lanes = tl.arange(0, 128)
-    group_in_chunk = tl.arange(0, GROUPS)
-    sources = x_ptr + tokens.to(tl.int64)[:, None, None] * x_row_stride
-    # Messages start on 16-byte boundaries (whole 4-word units in 4096-aligned slots): saying so
-    # lets the compiler store the bytes in wide vectors.
-    destinations = tl.multiple_of(messages.to(tl.pointer_type(tl.uint8)), 16)[:, None, None]
-    for chunk_start in range(0, HIDDEN, GROUPS * 128):
-        columns = (chunk_start + group_in_chunk[:, None] * 128 + lanes[None, :])[None, :, :]
-        ok = row_ok[:, None, None] & (columns < HIDDEN)
-        values = tl.load(sources + columns, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(values), axis=2), 1e-4)
-        scales = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        if ROUND_SCALE:
-            # 2**ceil(log2(scale)): bump the exponent unless the mantissa is already zero.
-            scale_bits = scales.to(tl.int32, bitcast=True)
-            scales = ((scale_bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-            factors = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scales)   # exact
-        else:
-            factors = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 448.0
-        # One division per group, then products (IEEE, like the CPU backend's): a division per
-        # channel cost more than the rest of the cast.
-        scaled = values * factors[:, :, None]
-        if GPU:
-            fp8_bytes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            fp8_bytes = _e4m3_bits_exact(scaled).to(tl.uint8)
-        tl.store(destinations + columns, fp8_bytes, mask=ok)
-        groups = chunk_start // 128 + group_in_chunk
-        tl.store(messages[:, None] + SCALES_AT + groups[None, :], scales.to(tl.int32, bitcast=True),
-                 mask=row_ok[:, None] & (groups < HIDDEN // 128)[None, :])
+    The row is loaded straight into a [groups, 128] tile, so a group's amax is a reduction over
+    the last axis with no reshape (reshapes of whole rows made the compiler shuffle registers
+    through shared memory)."""
+    columns = tl.arange(0, GROUPS_PAD)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    values = tl.load(row_ptr + columns, mask=columns < HIDDEN, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(values), axis=1), 1e-4)
+    scales = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    if ROUND_SCALE:
+        # 2**ceil(log2(scale)): bump the exponent unless the mantissa is already zero.
+        scale_bits = scales.to(tl.int32, bitcast=True)
+        scales = ((scale_bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        factors = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scales)   # exact
+    else:
+        factors = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax) * 448.0
+    # One division per group, then products (IEEE, like the CPU backend's): a division per
+    # channel cost more than the rest of the cast.
+    scaled = values * factors[:, None]
+    if GPU:
+        fp8_bytes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        fp8_bytes = _e4m3_bits_exact(scaled).to(tl.uint8)
+    return fp8_bytes, scales
 
 
 @triton.jit

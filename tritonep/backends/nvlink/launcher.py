@@ -33,6 +33,25 @@ def _kinds(raw: list[int]) -> tuple[int, ...]:
     return tuple([(value & 15 == 0) + 2 * (value == 1) + 4 * (-2**31 <= value < 2**31) for value in raw])
 
 
+def resident_programs(kernel: Any, args: tuple, constants: dict[str, Any], num_warps: int,
+                      device: torch.device, wanted: int) -> int:
+    """How many programs of ``kernel`` (compiled for these arguments, nothing launched) can run
+    at once on ``device``, at most ``wanted``: the grid for a launch whose programs wait for each
+    other (receivers spinning on senders of the same launch), which hangs if any program has to
+    wait for another to finish before it is scheduled. Counted like CUDA's occupancy calculator:
+    registers (allocated per warp in units of 256), warps and shared memory per multiprocessor."""
+    compiled = kernel.warmup(*args, grid=(1,), **constants, num_warps=num_warps)
+    compiled._init_handles()   # fills n_regs
+    properties = torch.cuda.get_device_properties(device)
+    registers_per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    by_registers = getattr(properties, "regs_per_multiprocessor", 65536) // max(registers_per_warp * num_warps, 1)
+    by_warps = getattr(properties, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
+    shared = compiled.metadata.shared
+    by_shared = getattr(properties, "shared_memory_per_multiprocessor", 233472) // (shared + 1024) if shared else 32
+    per_multiprocessor = max(1, min(by_registers, by_warps, by_shared, 32))
+    return min(wanted, properties.multi_processor_count * per_multiprocessor)
+
+
 def current_stream() -> int:
     """The raw handle of the current CUDA stream, without making a torch Stream object."""
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())

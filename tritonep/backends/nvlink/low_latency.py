@@ -37,7 +37,7 @@ from ... import fp8
 from ...checks import InputError
 from ...handles import LowLatencyHandle
 from ..base import LowLatencyDispatchRequest, LowLatencyDispatchResult
-from .launcher import FastLauncher
+from .launcher import FastLauncher, resident_programs
 from .low_latency_clean_kernel import low_latency_clean_kernel
 from .low_latency_combine_kernel import low_latency_combine_kernel
 from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
@@ -114,21 +114,23 @@ class LowLatencyEngine:
         self.status_address = self.status.data_ptr()
         self._status_view = self.status.numpy()   # reading it costs no torch dispatch
         self._dispatch_plans: dict[tuple, tuple] = {}
-        self._variant_constants: dict[tuple, dict] = {}   # (setup, DO_SEND, DO_RECV) -> constexprs
+        self._variants: dict[tuple, tuple[dict, int]] = {}   # (setup, DO_SEND, DO_RECV) -> (constexprs, grid)
         self._regions_cache: dict[tuple, LowLatencyRegions] = {}
         self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
         if INTERPRET:
             self.num_programs = 3
         else:
-            # One program per SM by default: a single-launch call has receivers waiting for senders
-            # of the same launch, so every program must be resident. TRITONEP_LL_PROGRAMS_PER_SM
-            # (benchmark sweeps only) tries more, smaller programs.
+            # Two programs of 8 warps per SM by default (measured against 1 x 16, 4 x 4 and 4 x 8 on
+            # an H200, docs/benchmarks/2026-11-24-h200x1). TRITONEP_LL_PROGRAMS_PER_SM and
+            # TRITONEP_LL_WARPS are for such sweeps; a single launch gets no more programs than
+            # can be resident at once (_run).
             self.num_programs = torch.cuda.get_device_properties(device).multi_processor_count \
-                * int(os.environ.get("TRITONEP_LL_PROGRAMS_PER_SM", "1"))
+                * int(os.environ.get("TRITONEP_LL_PROGRAMS_PER_SM", "2"))
         self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "2"))
-        # Groups of 128 channels the fp8 cast takes per step (a power of two; whole rows by default).
-        self.cast_groups = int(os.environ.get("TRITONEP_LL_CAST_GROUPS", "64"))
-        self.warps = int(os.environ.get("TRITONEP_LL_WARPS", "16"))
+        # Messages the dispatch's receive half copies per step (most (expert, source) blocks hold
+        # about T*K/E of them, 3.6 in DeepEP's decode shape: one step).
+        self.recv_rows = int(os.environ.get("TRITONEP_LL_RECV_ROWS", "4"))
+        self.warps = int(os.environ.get("TRITONEP_LL_WARPS", "8"))
         self.dispatch_order = CallOrder("low_latency_dispatch")
         self.combine_order = CallOrder("low_latency_combine")
         self._dispatch_launcher = FastLauncher(low_latency_dispatch_kernel, _DISPATCH_CHANGING)
@@ -185,11 +187,16 @@ class LowLatencyEngine:
     def _run(self, launcher: FastLauncher, setup: tuple, args: tuple, constants: Callable[[], dict], do_send: bool,
              do_recv: bool) -> None:
         variant = (setup, do_send, do_recv)
-        variant_constants = self._variant_constants.get(variant)
-        if variant_constants is None:
+        known = self._variants.get(variant)
+        if known is None:
             variant_constants = {**constants(), "DO_SEND": do_send, "DO_RECV": do_recv, "GPU": GPU_KERNELS}
-            self._variant_constants[variant] = variant_constants
-        launcher(self.num_programs, variant, args, variant_constants, self.warps)
+            # A single launch (send and receive) needs every program resident at once: no more
+            # programs than the compiled kernel's registers and warps let the GPU hold.
+            grid = self.num_programs if INTERPRET or not (do_send and do_recv) else resident_programs(
+                launcher.kernel, args, variant_constants, self.warps, self.device, self.num_programs)
+            known = self._variants[variant] = (variant_constants, grid)
+        variant_constants, grid = known
+        launcher(grid, variant, args, variant_constants, self.warps)
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch_plan(self, request: LowLatencyDispatchRequest, hidden: int, num_topk: int, slot: int) -> tuple:
@@ -224,8 +231,8 @@ class LowLatencyEngine:
         constants = dict(
             NUM_RANKS=R, HIDDEN=hidden, HIDDEN_PAD=_pow2(max(hidden, 128)), NUM_TOPK=num_topk,
             PAIRS_PAD=_pow2(max(T * num_topk, 16)), USE_FP8=request.use_fp8, ROUND_SCALE=request.round_scale,
-            USE_UE8M0=request.use_ue8m0, GROUPS_PAD=_pow2(max(hidden // 128, 4)), RANKS_PAD=_pow2(R), ROWS=self.rows,
-            CAST_GROUPS=min(self.cast_groups, _pow2(max(hidden // 128, 1))), BLOCK=2048)
+            USE_UE8M0=request.use_ue8m0, GROUPS_PAD=_pow2(max(hidden // 128, 4)), RANKS_PAD=_pow2(R),
+            TOPK_PAD=_pow2(num_topk), RECV_ROWS=self.recv_rows, BLOCK=2048)
         self._dispatch_plans[key] = (key, constants, regions, outputs)
         return self._dispatch_plans[key]
 

@@ -1,12 +1,14 @@
 """Low-latency dispatch over NVLink: one kernel, no host synchronisation, CUDA-graph safe.
 
-Send (``DO_SEND``): program p takes global experts p, p+P, ... For expert g it picks, from
-``topk_idx``, the (token, k) pairs routed to g in token order, casts those rows to fp8 on the
-fly (or keeps bf16) and writes them as messages into g's rank, at the fixed block
-``[local expert, source = us, 0..count)`` of the current receive slot. Fixed blocks mean no
-slot has to be reserved with a remote atomic: a sender knows where every row goes. After all
-its experts, one system fence, then ``(use << 32) | count`` into each expert's flag at its
-rank (relaxed stores: no round trip per expert).
+Send (``DO_SEND``): program p takes tokens p, p+P, ... It reads and casts a token's row once
+(fp8, or keeps bf16) and stores the message into the receive slot of each of its top-k
+experts' ranks, at the fixed block ``[local expert, source = us]``, message number = the
+number of earlier (token, k) pairs routed to that expert. Fixed places mean no slot has to be
+reserved with a remote atomic and rows keep token order. Each program also stages
+``(use << 32) | count`` for experts p, p+P, ... in this rank's control block; after a system
+fence, the last program to finish its rows (``last_program_done``) raises every expert's flag
+at its rank with one vector of relaxed stores. Casting each row once (not once per expert)
+cut the send's instructions; no program waits for another.
 
 Receive (``DO_RECV``): program p takes (local expert e, source s) items p, p+P, ... It waits
 for the R flags of e at once, and copies s's messages into the packed outputs right after
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import low_latency_layout as layout
-from .fp8_tiles import cast_rows_to_messages, pack_bytes
+from .fp8_tiles import cast_row, pack_bytes
 from .rows import copy_rows
 from .sync import (
     PHASE_LL_DISPATCH_DATA,
@@ -43,10 +45,12 @@ from .sync import (
     fence_system,
     finish_low_latency_launch,
     gave_up,
+    last_program_done,
     load_acquire,
     load_rank_mask,
     now_ns,
     rank_masked,
+    ranks_masked,
     save_rank_mask,
     store_relaxed,
     wait_all_at_least,
@@ -60,52 +64,92 @@ MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
 MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
 FREED = tl.constexpr(layout.DISPATCH_FREED)
 FLAGS = tl.constexpr(layout.DISPATCH_FLAGS)
+COUNTS = tl.constexpr(layout.DISPATCH_COUNTS)
+ROWS_SENT = tl.constexpr(layout.DONE + 4)
+SCRATCH = tl.constexpr(layout.DONE + 5)
 SENT_USE = tl.constexpr(layout.SENT_USE + 0)
 LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
 CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
 
 
 @triton.jit
-def _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block,
-                 NUM_TOPK: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr,
-                 ROUND_SCALE: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                 MESSAGE_WORDS: tl.constexpr, ROWS: tl.constexpr, CAST_GROUPS: tl.constexpr, GPU: tl.constexpr):
-    """Write the ``count`` rows routed to one expert as messages 0..count-1 of ``message_block``."""
-    for first in range(0, count, ROWS):
-        wanted = first + tl.arange(0, ROWS)
-        # The pair whose position among the routed pairs is ``wanted`` (a compaction by matching).
-        match = routed[None, :] & (position[None, :] == wanted[:, None])
-        pair = tl.sum(tl.where(match, pairs[None, :], 0), axis=1)
-        row_ok = wanted < count
-        token = pair // NUM_TOPK
-        # Messages start on 16-byte boundaries (4-word units in 4096-aligned slots): wide stores.
-        message_rows = tl.multiple_of(message_block + wanted.to(tl.int64) * MESSAGE_WORDS, 16)
-        message = message_rows[:, None]
-        if USE_FP8:
-            cast_rows_to_messages(x_ptr, token, x_row_stride, row_ok, message_rows, HIDDEN, DATA_WORDS, ROUND_SCALE,
-                                  CAST_GROUPS, GPU)
-        else:
-            # bf16 rows travel as they are, two channels an int32 word (the row stride is even).
-            words = tl.arange(0, HIDDEN_PAD // 2)
-            word_mask = row_ok[:, None] & (words < DATA_WORDS)[None, :]
-            x_words = x_ptr.to(tl.pointer_type(tl.int32))
-            values = tl.load(x_words + token.to(tl.int64)[:, None] * (x_row_stride // 2) + words[None, :],
-                             mask=word_mask)
-            tl.store(message + words[None, :], values, mask=word_mask)
-        header = message + DATA_WORDS + SCALE_WORDS
-        tl.store(header, token[:, None], mask=row_ok[:, None])
-        tl.store(header + 1, (pair % NUM_TOPK)[:, None], mask=row_ok[:, None])
+def _send_token(x_ptr, x_row_stride, token, topk_idx_ptr, experts, pairs, masked, ranks, peer_base_ptrs, area, slot,
+                slot_bytes, rank, block_words, experts_per_rank, NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr,
+                TOPK_PAD: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr,
+                ROUND_SCALE: tl.constexpr, GROUPS_PAD: tl.constexpr, DATA_WORDS: tl.constexpr,
+                SCALE_WORDS: tl.constexpr, MESSAGE_WORDS: tl.constexpr, GPU: tl.constexpr):
+    """Write one token's message into the receive slot of each of its top-k experts' ranks
+    (skipping -1 and masked ranks): the row is read and cast once, then stored top-k times. A
+    message's number in its (expert, source) block is the count of earlier (token, k) pairs
+    routed to the same expert, so rows keep token order, as the CPU backend orders them."""
+    row = x_ptr + x_row_stride.to(tl.int64) * token
+    if USE_FP8:
+        fp8_bytes, scales = cast_row(row, HIDDEN, GROUPS_PAD, ROUND_SCALE, GPU)
+        columns = tl.arange(0, GROUPS_PAD)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        groups = tl.arange(0, GROUPS_PAD)
+        scale_bits = scales.to(tl.int32, bitcast=True)
+    else:
+        # bf16 rows travel as they are, two channels an int32 word (the row stride is even).
+        words = tl.arange(0, HIDDEN_PAD // 2)
+        row_words = tl.load(row.to(tl.pointer_type(tl.int32)) + words, mask=words < DATA_WORDS)
+    # All top-k message numbers in one reduction: [K, pairs] "same expert, earlier pair".
+    ks = tl.arange(0, TOPK_PAD)
+    my_pairs = token * NUM_TOPK + ks
+    chosen = tl.load(topk_idx_ptr + my_pairs, mask=ks < NUM_TOPK, other=-1)
+    earlier = (experts[None, :] == chosen[:, None]) & (pairs[None, :] < my_pairs[:, None])
+    positions = tl.sum(earlier.to(tl.int32), axis=1)
+    for k in tl.static_range(NUM_TOPK):
+        expert = tl.load(topk_idx_ptr + token * NUM_TOPK + k)
+        destination = tl.maximum(expert, 0) // experts_per_rank
+        if (expert >= 0) & ~rank_masked(masked, ranks, destination):
+            position = tl.sum(tl.where(ks == k, positions, 0), axis=0)
+            local_expert = expert - destination * experts_per_rank
+            peer_area = tl.load(peer_base_ptrs + destination) + area
+            receive_slot = (peer_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
+            # Messages start on 16-byte boundaries (4-word units in 4096-aligned slots): wide stores.
+            message = tl.multiple_of(receive_slot + (local_expert * NUM_RANKS + rank) * block_words
+                                     + position.to(tl.int64) * MESSAGE_WORDS, 16)
+            if USE_FP8:
+                tl.store(message.to(tl.pointer_type(tl.uint8)) + columns, fp8_bytes, mask=columns < HIDDEN)
+                tl.store(message + DATA_WORDS + groups, scale_bits, mask=groups < SCALE_WORDS)
+            else:
+                tl.store(message + words, row_words, mask=words < DATA_WORDS)
+            tl.store(message + DATA_WORDS + SCALE_WORDS, token)
+            tl.store(message + DATA_WORDS + SCALE_WORDS + 1, k)
 
 
 @triton.jit
-def _receive_scales(message_rows, row_ok, out_scales_ptr, out_rows, slots_per_expert,
-                    USE_UE8M0: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
-                    GROUPS_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """Scales of ``ROWS`` messages into the column-major [groups (or words), rows] output of one
+def _raise_flags(staged, peer_base_ptrs, area, my_area, slot, rank, masked, ranks, num_experts, experts_per_rank,
+                 NUM_RANKS: tl.constexpr, FLAG_BLOCK: tl.constexpr, GPU: tl.constexpr):
+    """Write each expert's staged ``(use << 32) | rows`` into its flag at its rank; flags of
+    masked ranks go to this rank's scratch word instead (one unconditional vector store)."""
+    for first in range(0, num_experts, FLAG_BLOCK):
+        expert = first + tl.arange(0, FLAG_BLOCK)
+        valid = expert < num_experts
+        destination = tl.where(valid, expert // experts_per_rank, 0)
+        wanted = valid & ~ranks_masked(masked, ranks, destination)
+        local_expert = expert - destination * experts_per_rank
+        flag_address = tl.load(peer_base_ptrs + destination) + area \
+            + (FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank) * 8
+        address = tl.where(wanted, flag_address, my_area + SCRATCH * 8)
+        store_relaxed(address.to(tl.pointer_type(tl.int64)), tl.load(staged + expert, mask=valid, other=0), GPU)
+
+
+@triton.jit
+def _load_scales(message_rows, row_ok, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+                 GROUPS_PAD: tl.constexpr):
+    """The float32 scales of ``ROWS`` messages, as int32 bits [ROWS, GROUPS_PAD]."""
+    groups = tl.arange(0, GROUPS_PAD)
+    return tl.load(message_rows[:, None] + DATA_WORDS + groups[None, :],
+                   mask=row_ok[:, None] & (groups < SCALE_WORDS)[None, :], other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _store_scales(bits, row_ok, out_scales_ptr, out_rows, slots_per_expert, USE_UE8M0: tl.constexpr,
+                  SCALE_WORDS: tl.constexpr, GROUPS_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """Scales (``_load_scales``) into the column-major [groups (or words), rows] output of one
     expert (``out_scales_ptr`` points at its first element)."""
     groups = tl.arange(0, GROUPS_PAD)
-    bits = tl.load(message_rows[:, None] + DATA_WORDS + groups[None, :],
-                   mask=row_ok[:, None] & (groups < SCALE_WORDS)[None, :], other=0, cache_modifier=".cg")
     if USE_UE8M0:
         # Power-of-two scales: the float's exponent byte is the UE8M0 code; four per int32.
         packed = pack_bytes((bits >> 23) & 0xFF, ROWS, GROUPS_PAD)
@@ -126,10 +170,11 @@ def low_latency_dispatch_kernel(
     recv_stats_ptr, wait_stats_ptr, mask_ptr, saved_mask_ptr,
     peer_base_ptrs, area, slot, slot_bytes, rank, status_address, timeout_ns, num_max_tokens, experts_per_rank,
     NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
-    PAIRS_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
+    PAIRS_PAD: tl.constexpr, TOPK_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
+    USE_UE8M0: tl.constexpr,
     HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr, DO_SEND: tl.constexpr,
-    DO_RECV: tl.constexpr, GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, ROWS: tl.constexpr,
-    CAST_GROUPS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
+    DO_RECV: tl.constexpr, GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, RECV_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, GPU: tl.constexpr,
 ):
     """``x_ptr`` is bf16 [N, H] (``x_row_stride`` even, in elements). ``out_x_ptr`` is the int32
     view of packed_recv_x; ``out_scales_ptr`` its scales
@@ -162,28 +207,24 @@ def low_latency_dispatch_kernel(
                                               NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
         pairs = tl.arange(0, PAIRS_PAD)
         experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
-        for expert in range(pid, num_experts, num_programs):
-            routed = experts == expert
-            destination = expert // experts_per_rank
-            count = tl.where(rank_masked(masked, ranks, destination), 0, tl.sum(routed.to(tl.int32), axis=0))
-            position = tl.cumsum(routed.to(tl.int32), axis=0) - 1
-            local_expert = expert - destination * experts_per_rank
-            peer_area = tl.load(peer_base_ptrs + destination) + area
-            receive_slot = (peer_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
-            message_block = receive_slot + (local_expert * NUM_RANKS + rank) * block_words
-            _send_expert(x_ptr, x_row_stride, pairs, routed, position, count, message_block, NUM_TOPK, HIDDEN,
-                         HIDDEN_PAD, USE_FP8, ROUND_SCALE, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, ROWS, CAST_GROUPS,
-                         GPU)
-        # One fence for all of this program's rows, then the flags: no round trip per expert.
-        fence_system(GPU)
+        # (``sent_token``, not ``token``: the receive loop below names its token vector so.)
+        for sent_token in range(pid, num_tokens, num_programs):
+            _send_token(x_ptr, x_row_stride, sent_token, topk_idx_ptr, experts, pairs, masked, ranks, peer_base_ptrs,
+                        area, slot, slot_bytes, rank, block_words, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
+                        HIDDEN, HIDDEN_PAD, USE_FP8, ROUND_SCALE, GROUPS_PAD, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS,
+                        GPU)
+        # Each expert's flag must follow every row sent to it, and those come from many programs:
+        # the programs stage the flag values, and the last one to finish its rows raises them all
+        # (no program waits for another, so this also runs under the interpreter).
+        staged = control + COUNTS + slot * MAX_EXPERTS
         for expert in range(pid, num_experts, num_programs):
             count = tl.sum((experts == expert).to(tl.int32), axis=0)
-            destination = expert // experts_per_rank
-            local_expert = expert - destination * experts_per_rank
-            if not rank_masked(masked, ranks, destination):
-                flag = (tl.load(peer_base_ptrs + destination) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
-                    + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank
-                store_relaxed(flag, (call << 32) | count.to(tl.int64), GPU)
+            tl.store(staged + expert, (call << 32) | count.to(tl.int64))
+        fence_system(GPU)
+        if last_program_done(control + ROWS_SENT):
+            fence_system(GPU)
+            _raise_flags(staged, peer_base_ptrs, area, my_area, slot, rank, masked, ranks, num_experts,
+                         experts_per_rank, NUM_RANKS, 1024, GPU)
 
     if DO_RECV:
         call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
@@ -211,22 +252,28 @@ def low_latency_dispatch_kernel(
             total = tl.sum(counts, axis=0)
             out_base = local_expert * slots_per_expert
             tl.store(out_layout_range_ptr + item, (begin.to(tl.int64) << 32) | count)
-            messages = receive_slot + item * block_words
-            for first in range(0, count, ROWS):
-                rows = first + tl.arange(0, ROWS)
+            # 16-byte aligned, as the send wrote them: without saying so the row copy loaded 4-byte
+            # words (ncu: 8 of each 32-byte sector used).
+            messages = tl.multiple_of(receive_slot + item * block_words, 16)
+            for first in range(0, count, RECV_ROWS):
+                rows = first + tl.arange(0, RECV_ROWS)
                 row_ok = rows < count
                 out_rows = begin + rows
-                copy_rows(messages, rows, MESSAGE_WORDS, 1, out_x_ptr + out_base * DATA_WORDS, out_rows, row_ok,
-                          DATA_WORDS, BLOCK, True)
                 message_rows = messages + rows.to(tl.int64) * MESSAGE_WORDS
+                # The small loads first: stores may alias them as far as the compiler knows, so
+                # issued after the row copy they would wait for it.
                 header = message_rows + DATA_WORDS + SCALE_WORDS
                 token = tl.load(header, mask=row_ok, cache_modifier=".cg")
                 topk_slot = tl.load(header + 1, mask=row_ok, cache_modifier=".cg")
+                if USE_FP8:
+                    scale_bits = _load_scales(message_rows, row_ok, DATA_WORDS, SCALE_WORDS, GROUPS_PAD)
+                copy_rows(messages, rows, MESSAGE_WORDS, 1, out_x_ptr + out_base * DATA_WORDS, out_rows, row_ok,
+                          DATA_WORDS, BLOCK, True)
                 tl.store(out_src_info_ptr + out_base + out_rows, token, mask=row_ok)
                 tl.store(out_topk_slot_ptr + out_base + out_rows, topk_slot.to(tl.int8), mask=row_ok)
                 if USE_FP8:
-                    _receive_scales(message_rows, row_ok, out_scales_ptr + out_base * SCALE_COLUMNS, out_rows,
-                                    slots_per_expert, USE_UE8M0, DATA_WORDS, SCALE_WORDS, GROUPS_PAD, ROWS)
+                    _store_scales(scale_bits, row_ok, out_scales_ptr + out_base * SCALE_COLUMNS, out_rows,
+                                  slots_per_expert, USE_UE8M0, SCALE_WORDS, GROUPS_PAD, RECV_ROWS)
             if source == 0:
                 tl.store(out_count_ptr + local_expert, total)
                 if HAS_RECV_STATS:

@@ -13,6 +13,8 @@ keeps counting and receive hooks may run in any order:
                      direction 0 sent, 1 received).
   ``DONE + 2*kind + direction``
                      programs of the running launch that finished (``last_program_done``).
+  ``DONE + 4``       programs of the running dispatch send that wrote all their rows.
+  ``DONE + 5``       a word that stores aimed at masked ranks go to instead (never read).
   ``DISPATCH_FREED + slot*MAX_RANKS + r`` (and ``COMBINE_FREED``)
                      uses of the slot that rank r finished receiving: r writes them into every
                      peer it does not mask. A sender starting use n of a slot waits there for
@@ -29,11 +31,15 @@ keeps counting and receive hooks may run in any order:
                      the last use of the slot in which this rank wrote into rank r (shrink
                      mode skips masked ranks, so this can lag the slot's use count). A sender
                      waits for r's ``FREED`` word to reach it before writing into r again.
+  ``DISPATCH_COUNTS + slot*MAX_EXPERTS + g``
+                     ``(use << 32) | rows`` this rank sends to global expert g, staged by the
+                     dispatch send's programs for its last program, which raises the flags.
   ``BARRIER + r``, ``BARRIER_SENT + r``
                      clean_low_latency_buffer's barriers: how many barriers rank r held with
                      this rank (r writes it here), and how many this rank held with r (masked
                      ranks are skipped, so the counts are per pair). Cleaning zeroes every word
-                     before ``CLEAN_END`` but not these, so the barrier survives it.
+                     before ``CLEAN_END`` but not these, so the barrier survives it. (Nor the staged
+                     counts: every dispatch writes them before it reads them.)
 
 Data regions, two slots each:
   dispatch receive  [E/R, R, T] messages: the row (e4m3 bytes or bf16), then fp8 scales,
@@ -60,7 +66,8 @@ SENT_USE = COMBINE_FLAGS + 2 * MAX_EXPERTS
 CLEAN_END = SENT_USE + 4 * MAX_RANKS
 BARRIER = CLEAN_END
 BARRIER_SENT = BARRIER + MAX_RANKS
-CONTROL_BYTES = (BARRIER_SENT + MAX_RANKS) * 8 // 4096 * 4096 + 4096
+DISPATCH_COUNTS = BARRIER_SENT + MAX_RANKS
+CONTROL_BYTES = (DISPATCH_COUNTS + 2 * MAX_EXPERTS) * 8 // 4096 * 4096 + 4096
 
 
 def message_words(hidden: int, use_fp8: bool) -> tuple[int, int, int]:
