@@ -41,12 +41,12 @@ cat "$OUT/system.txt"
 # the dispatch receive's); with BASELINE=path also a package copy from before a change (its
 # default shape), for an A/B in the same run.
 ll_sweep() {
-  for shape in ${LL_SWEEP:-2:16:1:4 2:8:2:4 2:4:4:4}; do
+  for shape in ${LL_SWEEP:-2:8:2:4 4:4:4:4 2:4:4:4}; do
     IFS=: read -r rows warps per_sm recv_rows <<< "$shape"
     per_sm=${per_sm:-1} recv_rows=${recv_rows:-4}
     echo "== low-latency kernels: rows $rows, warps $warps, programs per SM $per_sm, receive rows $recv_rows"
-    TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps TRITONEP_LL_RECV_ROWS=$recv_rows \
-      TRITONEP_LL_PROGRAMS_PER_SM=$per_sm timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
+    TRITONEP_LL_ROWS=$rows TRITONEP_LL_WARPS=$warps TRITONEP_LL_COMBINE_WARPS=$warps TRITONEP_LL_RECV_ROWS=$recv_rows \
+      TRITONEP_LL_PROGRAMS_PER_SM=$per_sm TRITONEP_LL_COMBINE_PROGRAMS_PER_SM=$per_sm timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
       --json "$OUT/ll_$rows-$warps-$per_sm-$recv_rows.json" 2>&1 | grep -v Warning >> "$OUT/ll_sweep.log"
   done
   if [ -n "${BASELINE:-}" ]; then

@@ -114,23 +114,23 @@ class LowLatencyEngine:
         self.status_address = self.status.data_ptr()
         self._status_view = self.status.numpy()   # reading it costs no torch dispatch
         self._dispatch_plans: dict[tuple, tuple] = {}
-        self._variants: dict[tuple, tuple[dict, int]] = {}   # (setup, DO_SEND, DO_RECV) -> (constexprs, grid)
+        # (setup, DO_SEND, DO_RECV) -> (constexprs, grid); dispatch and combine setups differ in form.
+        self._variants: dict[tuple, tuple[dict, int]] = {}
         self._regions_cache: dict[tuple, LowLatencyRegions] = {}
         self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
-        if INTERPRET:
-            self.num_programs = 3
-        else:
-            # Two programs of 8 warps per SM by default (measured against 1 x 16, 4 x 4 and 4 x 8 on
-            # an H200, docs/benchmarks/2026-11-24-h200x1). TRITONEP_LL_PROGRAMS_PER_SM and
-            # TRITONEP_LL_WARPS are for such sweeps; a single launch gets no more programs than
-            # can be resident at once (_run).
-            self.num_programs = torch.cuda.get_device_properties(device).multi_processor_count \
-                * int(os.environ.get("TRITONEP_LL_PROGRAMS_PER_SM", "2"))
-        self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "2"))
+        # (programs, warps) per launch of each kernel: two programs of 8 warps per SM, the fastest
+        # shape for the dispatch measured on an H200 (docs/benchmarks/2026-11-24-h200x1). Four
+        # 4-warp programs per SM moving 4 rows per step made the combine 16% faster there, but
+        # with them a shrink-mode GPU test failed before the save_rank_mask fix, which has not
+        # run on a GPU yet: the combine keeps the shape its tests passed with until it does.
+        # The variables are for such sweeps; a single launch gets no more programs than can be
+        # resident at once (_run).
+        self.dispatch_shape = self._kernel_shape("", 2, 8)
+        self.combine_shape = self._kernel_shape("COMBINE_", 2, 8)
+        self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "2"))   # the combine's rows per step
         # Messages the dispatch's receive half copies per step (most (expert, source) blocks hold
         # about T*K/E of them, 3.6 in DeepEP's decode shape: one step).
         self.recv_rows = int(os.environ.get("TRITONEP_LL_RECV_ROWS", "4"))
-        self.warps = int(os.environ.get("TRITONEP_LL_WARPS", "8"))
         self.dispatch_order = CallOrder("low_latency_dispatch")
         self.combine_order = CallOrder("low_latency_combine")
         self._dispatch_launcher = FastLauncher(low_latency_dispatch_kernel, _DISPATCH_CHANGING)
@@ -143,6 +143,15 @@ class LowLatencyEngine:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier(group=group)
+
+    def _kernel_shape(self, kind: str, programs_per_sm: int, warps: int) -> tuple[int, int]:
+        """(programs, warps) of one kernel's launches, ``TRITONEP_LL_{kind}PROGRAMS_PER_SM`` and
+        ``TRITONEP_LL_{kind}WARPS`` overriding the defaults."""
+        if INTERPRET:
+            return 3, 4
+        programs_per_sm = int(os.environ.get(f"TRITONEP_LL_{kind}PROGRAMS_PER_SM", programs_per_sm))
+        multiprocessors = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return multiprocessors * programs_per_sm, int(os.environ.get(f"TRITONEP_LL_{kind}WARPS", warps))
 
     # ------------------------------------------------------------------ status
     def check_status(self) -> None:
@@ -169,34 +178,35 @@ class LowLatencyEngine:
         self._regions_cache[(T, hidden, num_experts)] = regions
         return regions
 
-    def _launch(self, launcher: FastLauncher, setup: tuple, args: tuple, constants: Callable[[], dict],
-                with_hook: bool) -> Callable[[], None] | None:
+    def _launch(self, launcher: FastLauncher, shape: tuple[int, int], setup: tuple, args: tuple,
+                constants: Callable[[], dict], with_hook: bool) -> Callable[[], None] | None:
         """Launch send and receive as one kernel, or the send now and return the receive.
         ``setup`` stands for everything but the launcher's changing arguments (see FastLauncher)
         and ``constants`` makes the constexprs, needed only the first time a setup is seen."""
         if with_hook:
-            self._run(launcher, setup, args, constants, True, False)
-            return lambda: self._run(launcher, setup, args, constants, False, True)
+            self._run(launcher, shape, setup, args, constants, True, False)
+            return lambda: self._run(launcher, shape, setup, args, constants, False, True)
         if INTERPRET:   # the interpreter runs programs one after another: send before receiving
-            self._run(launcher, setup, args, constants, True, False)
-            self._run(launcher, setup, args, constants, False, True)
+            self._run(launcher, shape, setup, args, constants, True, False)
+            self._run(launcher, shape, setup, args, constants, False, True)
         else:
-            self._run(launcher, setup, args, constants, True, True)
+            self._run(launcher, shape, setup, args, constants, True, True)
         return None
 
-    def _run(self, launcher: FastLauncher, setup: tuple, args: tuple, constants: Callable[[], dict], do_send: bool,
-             do_recv: bool) -> None:
+    def _run(self, launcher: FastLauncher, shape: tuple[int, int], setup: tuple, args: tuple,
+             constants: Callable[[], dict], do_send: bool, do_recv: bool) -> None:
         variant = (setup, do_send, do_recv)
         known = self._variants.get(variant)
+        programs, warps = shape
         if known is None:
             variant_constants = {**constants(), "DO_SEND": do_send, "DO_RECV": do_recv, "GPU": GPU_KERNELS}
             # A single launch (send and receive) needs every program resident at once: no more
             # programs than the compiled kernel's registers and warps let the GPU hold.
-            grid = self.num_programs if INTERPRET or not (do_send and do_recv) else resident_programs(
-                launcher.kernel, args, variant_constants, self.warps, self.device, self.num_programs)
+            grid = programs if INTERPRET or not (do_send and do_recv) else resident_programs(
+                launcher.kernel, args, variant_constants, warps, self.device, programs)
             known = self._variants[variant] = (variant_constants, grid)
         variant_constants, grid = known
-        launcher(grid, variant, args, variant_constants, self.warps)
+        launcher(grid, variant, args, variant_constants, warps)
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch_plan(self, request: LowLatencyDispatchRequest, hidden: int, num_topk: int, slot: int) -> tuple:
@@ -265,7 +275,7 @@ class LowLatencyEngine:
                 self.status_address, self.timeout_ns, request.num_max_dispatch_tokens_per_rank,
                 request.num_experts // self.num_ranks)
         flags = (recv_stats is not None, wait_stats is not None, rank_mask is not None)
-        receive = self._launch(self._dispatch_launcher, (key, flags), args, lambda: {
+        receive = self._launch(self._dispatch_launcher, self.dispatch_shape, (key, flags), args, lambda: {
             **constants, "HAS_RECV_STATS": flags[0], "HAS_WAIT_STATS": flags[1], "HAS_MASK": flags[2]},
             request.return_recv_hook)
         handle = LowLatencyHandle(src_info, layout_range, request.num_max_dispatch_tokens_per_rank, hidden,
@@ -326,7 +336,7 @@ class LowLatencyEngine:
                         HAS_MASK=rank_mask is not None, ROWS=self.rows, BLOCK=2048,
                         REDUCE_BLOCK=min(_pow2(hidden), 2048))
 
-        receive = self._launch(self._combine_launcher, key, args, constants, return_recv_hook)
+        receive = self._launch(self._combine_launcher, self.combine_shape, key, args, constants, return_recv_hook)
 
         def copy_back() -> None:
             if target is not out:

@@ -250,10 +250,19 @@ def load_rank_mask(mask_ptr, ranks, NUM_RANKS: tl.constexpr, HAS_MASK: tl.conste
 
 @triton.jit
 def save_rank_mask(out_ptr, masked, ranks, NUM_RANKS: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Program 0 stores ``masked`` as int32 [R] at ``out_ptr`` (for a later launch to reuse)."""
+    """Store ``masked`` as int32 [R] at ``out_ptr``: the mask this call uses, which its own
+    waits poll (``wait_all_at_least``) and a later launch reuses.
+
+    Every program stores it (the same values) before it polls it. With program 0 alone storing,
+    a program that started first could poll the slot's previous call's mask, and a rank masked
+    then but not now counted as given up: that program sent it nothing, and the rank timed out
+    waiting. (The likely cause of a shrink-mode GPU test that failed with 528 programs per
+    launch, 2026-11-24; this fix has not run on a GPU yet.) A
+    time-out that masks a rank while a late program still stores its own copy may be undone
+    there; that program then waits for the rank itself, and masks it again on its time-out."""
     if HAS_MASK:
-        if tl.program_id(0) == 0:
-            tl.store(out_ptr + ranks, masked.to(tl.int32), mask=ranks < NUM_RANKS)
+        tl.store(out_ptr + ranks, masked.to(tl.int32), mask=ranks < NUM_RANKS)
+        tl.debug_barrier()   # the whole program's copy is stored before any of its threads polls it
 
 
 @triton.jit
