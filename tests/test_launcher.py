@@ -96,3 +96,21 @@ def test_every_argument_changing_keys_on_grid_and_constants(kernel) -> None:
     fast(16, None, (x, 48, other), {"BLOCK": 128}, 4)   # another grid
     fast(8, None, (x, 48, other), {"BLOCK": 256}, 4)    # another constexpr
     assert [entry[0] for entry in kernel.launches] == ["bind", "fast", "bind", "bind"]
+
+
+@pytest.mark.parametrize("registers,warps,shared,expected", [
+    # Nsight Compute's "Block Limit Registers" on an H200 for our kernels (2026-11-24 runs 2-5):
+    (128, 16, 0, 1),     # the old low-latency dispatch
+    (45, 16, 0, 2),      # its receive half alone (run 3)
+    (85, 16, 0, 1),      # the low-latency combine
+    (95, 16, 0, 1),      # the per-token dispatch
+    # CUDA's rules beyond those readings:
+    (95, 8, 0, 2),       # registers bound at 8 warps (24 x 1024 of 64 x 1024)
+    (32, 4, 0, 16),      # small programs: threads bound them (2048 / 128)
+    (32, 1, 0, 32),      # and the 32-block limit
+    (64, 4, 100_000, 2),  # shared memory bound
+])
+def test_programs_per_multiprocessor(registers: int, warps: int, shared: int, expected: int) -> None:
+    """The occupancy arithmetic against Nsight Compute's readings (docs/benchmarks/2026-11-24-h200x1,
+    ncu details of runs 3 and 5) and CUDA's documented limits."""
+    assert launcher.programs_per_multiprocessor(registers, warps, shared) == expected

@@ -33,22 +33,33 @@ def _kinds(raw: list[int]) -> tuple[int, ...]:
     return tuple([(value & 15 == 0) + 2 * (value == 1) + 4 * (-2**31 <= value < 2**31) for value in raw])
 
 
+def programs_per_multiprocessor(registers_per_thread: int, num_warps: int, shared_bytes: int,
+                                 registers_per_multiprocessor: int = 65536, threads_per_multiprocessor: int = 2048,
+                                 shared_per_multiprocessor: int = 233472) -> int:
+    """Programs of one kernel that fit on a multiprocessor at once, counted like CUDA's
+    occupancy calculator: registers allocated per warp in units of 256, threads, and shared
+    memory plus the 1 KB the driver reserves per block (defaults: Hopper's limits)."""
+    registers_per_warp = -(-registers_per_thread * 32 // 256) * 256
+    by_registers = registers_per_multiprocessor // max(registers_per_warp * num_warps, 1)
+    by_threads = threads_per_multiprocessor // (32 * num_warps)
+    by_shared = shared_per_multiprocessor // (shared_bytes + 1024) if shared_bytes else 32
+    return max(1, min(by_registers, by_threads, by_shared, 32))
+
+
 def resident_programs(kernel: Any, args: tuple, constants: dict[str, Any], num_warps: int,
                       device: torch.device, wanted: int) -> int:
     """How many programs of ``kernel`` (compiled for these arguments, nothing launched) can run
     at once on ``device``, at most ``wanted``: the grid for a launch whose programs wait for each
     other (receivers spinning on senders of the same launch), which hangs if any program has to
-    wait for another to finish before it is scheduled. Counted like CUDA's occupancy calculator:
-    registers (allocated per warp in units of 256), warps and shared memory per multiprocessor."""
+    wait for another to finish before it is scheduled."""
     compiled = kernel.warmup(*args, grid=(1,), **constants, num_warps=num_warps)
     compiled._init_handles()   # fills n_regs
     properties = torch.cuda.get_device_properties(device)
-    registers_per_warp = -(-compiled.n_regs * 32 // 256) * 256
-    by_registers = getattr(properties, "regs_per_multiprocessor", 65536) // max(registers_per_warp * num_warps, 1)
-    by_warps = getattr(properties, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
-    shared = compiled.metadata.shared
-    by_shared = getattr(properties, "shared_memory_per_multiprocessor", 233472) // (shared + 1024) if shared else 32
-    per_multiprocessor = max(1, min(by_registers, by_warps, by_shared, 32))
+    per_multiprocessor = programs_per_multiprocessor(
+        compiled.n_regs, num_warps, compiled.metadata.shared,
+        getattr(properties, "regs_per_multiprocessor", 65536),
+        getattr(properties, "max_threads_per_multi_processor", 2048),
+        getattr(properties, "shared_memory_per_multiprocessor", 233472))
     return min(wanted, properties.multi_processor_count * per_multiprocessor)
 
 
