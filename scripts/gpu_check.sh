@@ -93,27 +93,6 @@ if [ "$MODE" = llprofile ]; then
     ncu -i "$OUT/ncu_ll_$kernel.ncu-rep" --page details > "$OUT/ncu_ll_${kernel}_details.txt" 2>&1
     grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Memory Throughput|One or More|No Eligible|Block Limit" \
       "$OUT/ncu_ll_${kernel}_details.txt" | head -${NCU_LINES:-60}
-    ncu -i "$OUT/ncu_ll_$kernel.ncu-rep" --page source --csv --print-source cuda \
-      > "$OUT/ncu_ll_${kernel}_source.csv" 2>&1
-    # The source lines with the most warp-stall samples (all profiled launches together).
-    python3 - "$OUT/ncu_ll_${kernel}_source.csv" <<'PYEOF'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1], errors="replace")))
-header = next((i for i, row in enumerate(rows) if any("Sampling" in cell for cell in row)), None)
-if header is None:
-  print("no sampling column:", rows[:3]); sys.exit()
-names = rows[header]
-column = next(i for i, name in enumerate(names) if "Warp Stall Sampling (All" in name)
-source = next((i for i, name in enumerate(names) if name in ("Source", "# Source")), 1)
-line = next((i for i, name in enumerate(names) if name in ("Line", "#", "Address")), 0)
-def value(cell):
-  try: return float(cell.replace(",", ""))
-  except ValueError: return 0.0
-body = [row for row in rows[header + 1:] if len(row) > column]
-total = sum(value(row[column]) for row in body) or 1
-for row in sorted(body, key=lambda row: -value(row[column]))[:28]:
-  print(f"{100 * value(row[column]) / total:5.1f}%  {row[line][:6]:>6}  {row[source].strip()[:150]}")
-PYEOF
   done
   tar -C "$OUT" -czf "$OUT/ncu_ll.tgz" $(cd "$OUT" && ls ncu_ll_*) && (cd "$OUT" && rm -f ncu_ll_*)
   echo "== host path probe, low-latency calls (cProfile per call)"

@@ -99,6 +99,8 @@ def _send_token(x_ptr, x_row_stride, token, topk_idx_ptr, experts, pairs, masked
     earlier = (experts[None, :] == chosen[:, None]) & (pairs[None, :] < my_pairs[:, None])
     positions = tl.sum(earlier.to(tl.int32), axis=1)
     for k in tl.static_range(NUM_TOPK):
+        # A uniform scalar load (cached) rather than picking lane k out of ``chosen``, which would
+        # be one more cross-warp reduction per k.
         expert = tl.load(topk_idx_ptr + token * NUM_TOPK + k)
         destination = tl.maximum(expert, 0) // experts_per_rank
         if (expert >= 0) & ~rank_masked(masked, ranks, destination):
