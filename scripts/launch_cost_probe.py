@@ -1,6 +1,7 @@
 """Where a low-latency call's host time goes, layer by layer, at one rank: the CUDA launch
 itself (an empty Triton kernel with as many arguments, launched the three ways), then the
-dispatch and combine through the engine, the backend and the Buffer. CPU microseconds per call,
+dispatch and combine through the engine, the backend and the Buffer (the Buffer's repeats
+take the fast path; ``general_path_*``: the same calls with it off). CPU microseconds per call,
 median of rounds of 20 calls (synchronised between rounds, so the GPU never backs the host up).
 
     PYTHONPATH=. python scripts/launch_cost_probe.py [--json out.json]
@@ -62,6 +63,21 @@ def run(group: dist.ProcessGroup) -> dict:
         lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, return_recv_hook=True)[4]())
     report["engine_combine"] = host_us(lambda: engine.combine(y, topk_idx, weights, handle, False, False, None))
     report["buffer_combine"] = host_us(lambda: buffer.low_latency_combine(y, topk_idx, weights, handle))
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=device)
+    report["buffer_combine_out"] = host_us(lambda: buffer.low_latency_combine(y, topk_idx, weights, handle, out=out))
+    report["buffer_combine_send_then_hook"] = host_us(
+        lambda: buffer.low_latency_combine(y, topk_idx, weights, handle, return_recv_hook=True)[2]())
+    report["torch_empty_like_combine_out"] = host_us(
+        lambda: torch.empty(T, H, dtype=torch.bfloat16, device=device))
+    if hasattr(engine, "fast_dispatch"):   # (a package from before the fast path has none)
+        # The same calls with the fast path (backends/nvlink/low_latency_fast.py) off.
+        fast_paths = engine.fast_dispatch, engine.fast_combine
+        engine.fast_dispatch, engine.fast_combine = {}, {}
+        buffer._fast_dispatch, buffer._fast_combine = {}, {}
+        report["general_path_buffer_dispatch"] = host_us(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E))
+        report["general_path_buffer_combine"] = host_us(
+            lambda: buffer.low_latency_combine(y, topk_idx, weights, handle))
+        engine.fast_dispatch, engine.fast_combine = fast_paths
     buffer.destroy()
     return {name: round(us, 2) for name, us in report.items()}
 

@@ -192,6 +192,18 @@ def test_gpu_variants(gpu_pool, variant: str) -> None:
 
 
 @pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("options", [dict(), dict(hook=True), dict(zero_copy=True, use_out=True),
+                                     dict(use_fp8=False, hook=True, zero_copy=True)],
+                         ids=["plain", "hook", "zero_copy_out", "bf16_hook_zero_copy"])
+def test_gpu_repeated_calls(gpu_pool, options: dict) -> None:
+    """Six rounds of one call shape: from the third on, calls take the fast path
+    (backends/nvlink/low_latency_fast.py), with new tensors each round."""
+    R = gpu_pool.num_ranks
+    _check(gpu_pool, LowLatencyCase(seed=90, tokens=_tokens(gpu_pool, 128, 96), T=128, hidden=7168,
+                                    num_experts=288 if 288 % R == 0 else 32 * R, num_topk=8, calls=6, **options))
+
+
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_race_loop(gpu_pool) -> None:
     """40 random cases back to back (sizes, options, hooks) to shake out races between slots."""
     rng = random.Random(1)

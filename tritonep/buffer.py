@@ -186,6 +186,9 @@ class Buffer:
         self.backend: Backend = make_backend(self, kind)
         self.device = self.backend.device
         self._on_gpu = self.device.type == "cuda"
+        # Low-latency call shapes the backend repeats with little host work, by the keys made
+        # in low_latency_dispatch/combine (empty where a backend has no such path).
+        self._fast_dispatch, self._fast_combine = self.backend.low_latency_fast_paths()
         if enable_shrink:
             self.backend.rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._destroyed = False
@@ -496,9 +499,20 @@ class Buffer:
             event: the event to wait on when ``async_finish``.
             hook: the receive hook when ``return_recv_hook``, else None.
         """
+        recv_stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        # A decode-time repeat: the backend checks the tensors against the call shape it learnt
+        # and launches, or returns None (see backends/nvlink/low_latency_fast.py).
+        fast_key = None
+        if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and not async_finish:
+            fast_key = (x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                        use_ue8m0, return_recv_hook, recv_stats is None, wait_stats is None)
+            fast = self._fast_dispatch.get(fast_key)
+            if fast is not None:
+                result = fast(x, topk_idx, recv_stats, wait_stats)
+                if result is not None:
+                    return result
         self._check_alive()
-        T, R, recv_stats, wait_stats = (num_max_dispatch_tokens_per_rank, self.group_size,
-                                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+        T, R = num_max_dispatch_tokens_per_rank, self.group_size
         # Decode calls repeat one set of options: once those passed the full checks, a call only
         # checks its tensors (a few attribute reads; see _fits).
         on_gpu = self._on_gpu
@@ -513,11 +527,12 @@ class Buffer:
                                              round_scale, use_ue8m0, async_finish, return_recv_hook)
             self._low_latency_options_checked.add(options)
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)   # values: every call (free on the GPU)
+        stream = self.backend.low_latency_stream(async_finish)
         request = LowLatencyDispatchRequest(
             x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=num_experts, use_fp8=use_fp8,
             round_scale=round_scale, use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=recv_stats,
-            dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook)
-        stream = self.backend.low_latency_stream(async_finish)
+            dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook,
+            fast_key=fast_key if stream is None else None)   # fast repeats run on the caller's stream
         if stream is None:   # the caller's stream: nothing to order, no event (decode-time host cost)
             result = self.backend.low_latency_dispatch(request)
             return result.packed_recv_x, result.packed_recv_count, result.handle, EventOverlap(None), \
@@ -560,8 +575,19 @@ class Buffer:
                 In shrink mode, experts on ranks masked now or at the handle's dispatch count as 0.
             event, hook: as in low_latency_dispatch.
         """
+        wait_stats = combine_wait_recv_cost_stats
+        fast_key = None
+        if (type(handle) is LowLatencyHandle and type(x) is torch.Tensor and type(topk_idx) is torch.Tensor  # noqa: E721
+                and not async_finish):
+            fast_key = (handle[2], handle[3], handle[4], topk_idx.shape, zero_copy, return_recv_hook,
+                        wait_stats is None)
+            fast = self._fast_combine.get(fast_key)
+            if fast is not None:
+                result = fast(x, topk_idx, topk_weights, handle, out, wait_stats)
+                if result is not None:
+                    return result
         self._check_alive()
-        wait_stats, R, on_gpu = combine_wait_recv_cost_stats, self.group_size, self._on_gpu
+        R, on_gpu = self.group_size, self._on_gpu
         # The fast path of the checks, as in low_latency_dispatch: a known handle and tensors that fit.
         if not (type(handle) is LowLatencyHandle and handle.buffer_id == self.buffer_id  # noqa: E721
                 and not (async_finish and return_recv_hook) and isinstance(topk_idx, torch.Tensor)
@@ -577,7 +603,7 @@ class Buffer:
         stream = self.backend.low_latency_stream(async_finish)
         if stream is None:
             combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
-                                                              return_recv_hook, out, wait_stats)
+                                                              return_recv_hook, out, wait_stats, fast_key)
             return combined, EventOverlap(None), _hook(hook)
         inputs = (x, topk_idx, topk_weights)
         with on_comm_stream(stream, None, async_finish, inputs) as scope:

@@ -56,6 +56,8 @@ class LowLatencyDispatchRequest:
     cumulative_local_expert_recv_stats: torch.Tensor | None
     dispatch_wait_recv_cost_stats: torch.Tensor | None
     return_recv_hook: bool
+    # The Buffer's key for this call shape in low_latency_fast_paths()[0] (None: not repeatable).
+    fast_key: tuple | None = None
 
 
 @dataclass
@@ -134,8 +136,17 @@ class Backend(abc.ABC):
         return_recv_hook: bool,
         out: torch.Tensor | None,
         wait_stats: torch.Tensor | None,
+        fast_key: tuple | None = None,
     ) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """``wait_stats``: optional int64 [R], ``combine_wait_recv_cost_stats``."""
+        """``wait_stats``: optional int64 [R], ``combine_wait_recv_cost_stats``; ``fast_key``: the
+        Buffer's key for this call shape in low_latency_fast_paths()[1]."""
+
+    def low_latency_fast_paths(self) -> tuple[dict, dict]:
+        """(dispatch, combine): call shapes this backend repeats with little host work, by the
+        Buffer's keys; each value takes a call's tensors and returns the call's result, or None
+        (then the Buffer takes the general path). Filled by the backend as calls run; the Buffer
+        reads them, never writes. Empty dicts: every call takes the general path."""
+        return {}, {}
 
     @abc.abstractmethod
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

@@ -93,8 +93,8 @@ class CollectiveBackend(Backend):
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
-                            out: torch.Tensor | None,
-                            wait_stats: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+                            out: torch.Tensor | None, wait_stats: torch.Tensor | None,
+                            fast_key: tuple | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """With ``zero_copy`` the rows are read from the current combine buffer (where the caller
         wrote them via ``get_next_low_latency_combine_buffer``); every combine then flips to the
         other buffer, so two combines in flight never share memory."""

@@ -400,14 +400,19 @@ class NvlinkBackend(Backend):
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        return self.low_latency.dispatch(request, self.rank_mask)
+        return self.low_latency.dispatch(request, self.rank_mask, request.fast_key)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
-                            out: torch.Tensor | None,
-                            wait_stats: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+                            out: torch.Tensor | None, wait_stats: torch.Tensor | None,
+                            fast_key: tuple | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out,
-                                        wait_stats, self.rank_mask)
+                                        wait_stats, self.rank_mask, fast_key)
+
+    def low_latency_fast_paths(self) -> tuple[dict, dict]:
+        if self._low_latency is None:
+            return {}, {}
+        return self._low_latency.fast_dispatch, self._low_latency.fast_combine
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self.low_latency.get_next_low_latency_combine_buffer(handle)

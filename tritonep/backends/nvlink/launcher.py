@@ -102,14 +102,17 @@ class FastLauncher:
         self.changing = None if changing is None else tuple(self.names.index(name) for name in changing)
         self.setups: dict[Any, _Setup] = {}
 
-    def __call__(self, grid: int, setup: Any, args: tuple, constants: dict[str, Any], num_warps: int) -> None:
+    def __call__(self, grid: int, setup: Any, args: tuple, constants: dict[str, Any],
+                 num_warps: int) -> _Setup | None:
         """``args``: the non-constexpr arguments in order (tensors or ints); ``constants``: the
         constexprs by name; ``setup``: hashable, equal only for calls whose non-changing arguments,
         constants, grid and num_warps are equal, or None to derive it from grid, num_warps and
-        constants (right when every argument is changing)."""
+        constants (right when every argument is changing). Returns the setup it launched (its
+        ``args`` may be rewritten and the launch repeated: ``low_latency_fast``), None under the
+        interpreter."""
         if INTERPRET:
             self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
-            return
+            return None
         stream = current_stream()
         positions = self.changing if self.changing is not None else range(len(args))
         changing = [value.data_ptr() if isinstance(value, torch.Tensor) else value
@@ -123,8 +126,9 @@ class FastLauncher:
             for i, value in zip(positions, changing):
                 raw[i] = value
             known(stream)
-            return
+            return known
         # First call of this setup and specialisation: Triton binds, compiles if needed, launches.
         compiled = self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
         raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
-        self.setups[key] = _Setup(compiled, grid, raw + [constants[name] for name in self.names[len(args):]])
+        known = self.setups[key] = _Setup(compiled, grid, raw + [constants[name] for name in self.names[len(args):]])
+        return known

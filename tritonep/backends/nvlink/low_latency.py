@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from .launcher import FastLauncher, resident_programs
 from .low_latency_clean_kernel import low_latency_clean_kernel
 from .low_latency_combine_kernel import low_latency_combine_kernel
 from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
+from .low_latency_fast import FastCombine, FastDispatch, LowLatencyState, aligned
 from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
 from .memory import SymmetricBuffer
 from .sync import GPU_KERNELS, INTERPRET, MASKED_BIT, masked_after_timeout_message, timeout_error
@@ -55,15 +56,6 @@ _COMBINE_CHANGING = ("x_ptr", "expert_stride", "row_stride", "src_info_ptr", "to
                      "mask_ptr", "dispatch_mask_ptr")
 
 
-@dataclass
-class LowLatencyState:
-    """What a handle carries for its combine, besides (src_info, layout_range, T, H, E)."""
-
-    topk_slot: torch.Tensor    # int8 [E/R, R*T]: which top-k entry of its token each row is
-    dispatch_mask: torch.Tensor  # int32 [R]: the ranks the dispatch skipped (shrink mode; else unused)
-    received: bool = False
-
-
 def _pow2(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
@@ -74,6 +66,9 @@ class CallOrder:
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
+        self.reset()
+
+    def reset(self) -> None:
         self.sent = 0
         self.pending: dict[int, int] = {}   # slot -> call whose receive hook was not run yet
 
@@ -112,7 +107,7 @@ class LowLatencyEngine:
         # checking it costs no copy and no sync.
         self.status = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=not INTERPRET)
         self.status_address = self.status.data_ptr()
-        self._status_view = self.status.numpy()   # reading it costs no torch dispatch
+        self.status_view = self.status.numpy()   # reading it costs no torch dispatch
         self._dispatch_plans: dict[tuple, tuple] = {}
         # (setup, DO_SEND, DO_RECV) -> (constexprs, grid); dispatch and combine setups differ in form.
         self._variants: dict[tuple, tuple[dict, int]] = {}
@@ -136,6 +131,9 @@ class LowLatencyEngine:
         self._dispatch_launcher = FastLauncher(low_latency_dispatch_kernel, _DISPATCH_CHANGING)
         self._combine_launcher = FastLauncher(low_latency_combine_kernel, _COMBINE_CHANGING)
         self.combine_buffer_index = 0
+        # Call shapes seen before (low_latency_fast), under the keys the Buffer makes.
+        self.fast_dispatch: dict[tuple, FastDispatch] = {}
+        self.fast_combine: dict[tuple, FastCombine] = {}
         # Shrink mode: the ranks each combine slot's call skips, saved by its send half for its
         # receive half.
         self.combine_masks = torch.zeros(2, self.num_ranks, dtype=torch.int32, device=device)
@@ -155,10 +153,10 @@ class LowLatencyEngine:
 
     # ------------------------------------------------------------------ status
     def check_status(self) -> None:
-        code = int(self._status_view[0])
+        code = int(self.status_view[0])
         if code:
             if code & MASKED_BIT.value:   # shrink mode: a peer was masked after a time-out, calls went on
-                self._status_view[0] = 0
+                self.status_view[0] = 0
                 warnings.warn(masked_after_timeout_message(code, self.rank, self.timeout_ns), RuntimeWarning,
                               stacklevel=4)
                 return
@@ -179,22 +177,23 @@ class LowLatencyEngine:
         return regions
 
     def _launch(self, launcher: FastLauncher, shape: tuple[int, int], setup: tuple, args: tuple,
-                constants: Callable[[], dict], with_hook: bool) -> Callable[[], None] | None:
+                constants: Callable[[], dict], with_hook: bool) -> tuple[Any, Callable[[], Any] | None]:
         """Launch send and receive as one kernel, or the send now and return the receive.
         ``setup`` stands for everything but the launcher's changing arguments (see FastLauncher)
-        and ``constants`` makes the constexprs, needed only the first time a setup is seen."""
+        and ``constants`` makes the constexprs, needed only the first time a setup is seen.
+        Returns (the compiled launch made, the receive or None); the receive returns its
+        compiled launch (both None under the interpreter; low_latency_fast learns them)."""
         if with_hook:
-            self._run(launcher, shape, setup, args, constants, True, False)
-            return lambda: self._run(launcher, shape, setup, args, constants, False, True)
+            first = self._run(launcher, shape, setup, args, constants, True, False)
+            return first, lambda: self._run(launcher, shape, setup, args, constants, False, True)
         if INTERPRET:   # the interpreter runs programs one after another: send before receiving
             self._run(launcher, shape, setup, args, constants, True, False)
             self._run(launcher, shape, setup, args, constants, False, True)
-        else:
-            self._run(launcher, shape, setup, args, constants, True, True)
-        return None
+            return None, None
+        return self._run(launcher, shape, setup, args, constants, True, True), None
 
     def _run(self, launcher: FastLauncher, shape: tuple[int, int], setup: tuple, args: tuple,
-             constants: Callable[[], dict], do_send: bool, do_recv: bool) -> None:
+             constants: Callable[[], dict], do_send: bool, do_recv: bool) -> Any:
         variant = (setup, do_send, do_recv)
         known = self._variants.get(variant)
         programs, warps = shape
@@ -206,7 +205,7 @@ class LowLatencyEngine:
                 launcher.kernel, args, variant_constants, warps, self.device, programs)
             known = self._variants[variant] = (variant_constants, grid)
         variant_constants, grid = known
-        launcher(grid, variant, args, variant_constants, warps)
+        return launcher(grid, variant, args, variant_constants, warps)
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch_plan(self, request: LowLatencyDispatchRequest, hidden: int, num_topk: int, slot: int) -> tuple:
@@ -246,9 +245,10 @@ class LowLatencyEngine:
         self._dispatch_plans[key] = (key, constants, regions, outputs)
         return self._dispatch_plans[key]
 
-    def dispatch(self, request: LowLatencyDispatchRequest,
-                 rank_mask: torch.Tensor | None = None) -> LowLatencyDispatchResult:
-        """``rank_mask``: shrink mode's int32 [R] (1 = skip that rank), or None."""
+    def dispatch(self, request: LowLatencyDispatchRequest, rank_mask: torch.Tensor | None = None,
+                 fast_key: tuple | None = None) -> LowLatencyDispatchResult:
+        """``rank_mask``: shrink mode's int32 [R] (1 = skip that rank), or None. ``fast_key``: the
+        Buffer's key for this call shape in ``fast_dispatch``, which learns this call's launches."""
         self.check_status()
         x, topk_idx = request.x, request.topk_idx
         if not topk_idx.is_contiguous():
@@ -275,9 +275,21 @@ class LowLatencyEngine:
                 self.status_address, self.timeout_ns, request.num_max_dispatch_tokens_per_rank,
                 request.num_experts // self.num_ranks)
         flags = (recv_stats is not None, wait_stats is not None, rank_mask is not None)
-        receive = self._launch(self._dispatch_launcher, self.dispatch_shape, (key, flags), args, lambda: {
+        first, receive = self._launch(self._dispatch_launcher, self.dispatch_shape, (key, flags), args, lambda: {
             **constants, "HAS_RECV_STATS": flags[0], "HAS_WAIT_STATS": flags[1], "HAS_MASK": flags[2]},
             request.return_recv_hook)
+        fast = None
+        # A repeat of this call shape may take the fast path with these launches: they were made
+        # for contiguous, 16-byte aligned tensors (what the fast path checks).
+        if (fast_key is not None and first is not None and x_row_stride == hidden and topk_idx is request.topk_idx
+                and aligned(x.data_ptr(), topk_idx.data_ptr(), *[stats.data_ptr() for stats in (recv_stats, wait_stats)
+                                                                   if stats is not None])):
+            fast = self.fast_dispatch.get(fast_key)
+            if fast is None:
+                fast = self.fast_dispatch[fast_key] = FastDispatch(
+                    self, request.return_recv_hook, request.num_max_dispatch_tokens_per_rank, hidden,
+                    request.num_experts, self._dispatch_launcher.names)
+            fast.slots.learn(slot, first, outputs)
         handle = LowLatencyHandle(src_info, layout_range, request.num_max_dispatch_tokens_per_rank, hidden,
                                   request.num_experts, self.buffer_id, state)
         if receive is None:
@@ -287,8 +299,10 @@ class LowLatencyEngine:
         def hook() -> None:
             self.check_status()
             self.dispatch_order.finish(call, slot)
-            receive()
+            launched = receive()
             state.received = True
+            if fast is not None:
+                fast.slots.learn_receive(slot, launched)
 
         return LowLatencyDispatchResult(packed, packed_count, handle, hook)
 
@@ -296,8 +310,10 @@ class LowLatencyEngine:
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                 zero_copy: bool, return_recv_hook: bool, out: torch.Tensor | None,
                 wait_stats: torch.Tensor | None = None,
-                rank_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """``wait_stats``: combine_wait_recv_cost_stats or None; ``rank_mask`` as in dispatch."""
+                rank_mask: torch.Tensor | None = None,
+                fast_key: tuple | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """``wait_stats``: combine_wait_recv_cost_stats or None; ``rank_mask`` and ``fast_key`` as
+        in dispatch (``fast_combine``)."""
         self.check_status()
         state: LowLatencyState = handle.backend_state
         if not state.received:
@@ -307,6 +323,9 @@ class LowLatencyEngine:
         source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
         self.combine_buffer_index ^= 1
         expert_stride, row_stride, column_stride = source.stride()
+        # The fast path's launches assume every tensor as the user gave it, contiguous.
+        learnable = fast_key is not None and source.is_contiguous() and x.is_contiguous() \
+            and topk_idx.is_contiguous() and topk_weights.is_contiguous()
         if column_stride != 1 or expert_stride % 2 or row_stride % 2:   # rows move as int32 words
             source = source.contiguous()
             expert_stride, row_stride, _ = source.stride()
@@ -336,7 +355,17 @@ class LowLatencyEngine:
                         HAS_MASK=rank_mask is not None, ROWS=self.rows, BLOCK=2048,
                         REDUCE_BLOCK=min(_pow2(hidden), 2048))
 
-        receive = self._launch(self._combine_launcher, self.combine_shape, key, args, constants, return_recv_hook)
+        first, receive = self._launch(self._combine_launcher, self.combine_shape, key, args, constants,
+                                      return_recv_hook)
+        fast = None
+        if (learnable and first is not None and target is out
+                and aligned(*[tensor.data_ptr() for tensor in (source, topk_idx, topk_weights, out, wait_stats)
+                              if tensor is not None])):
+            fast = self.fast_combine.get(fast_key)
+            if fast is None:
+                fast = self.fast_combine[fast_key] = FastCombine(self, return_recv_hook, zero_copy, T, hidden,
+                                                                 num_experts, self._combine_launcher.names)
+            fast.slots.learn(slot, first, None)
 
         def copy_back() -> None:
             if target is not out:
@@ -349,17 +378,31 @@ class LowLatencyEngine:
         def hook() -> None:
             self.check_status()
             self.combine_order.finish(call, slot)
-            receive()
+            launched = receive()
             copy_back()
+            if fast is not None:
+                fast.slots.learn_receive(slot, launched)
 
         return out, hook
 
     # ------------------------------------------------------------------ memory
+    def _zero_copy_starts(self, T: int, hidden: int, num_experts: int) -> tuple[int, int, int]:
+        """(byte offset in the local memory of each of the two zero-copy buffers, their bytes)."""
+        regions = self._regions(T, hidden, num_experts)
+        start = self.area + regions.zero_copy_offset
+        return start, start + regions.zero_copy_bytes, regions.zero_copy_bytes
+
+    def zero_copy_addresses(self, T: int, hidden: int, num_experts: int) -> tuple[int, int]:
+        """Device addresses of the two buffers ``get_next_low_latency_combine_buffer`` returns in turn."""
+        first, second, _ = self._zero_copy_starts(T, hidden, num_experts)
+        base = self.memory.local.data_ptr()
+        return base + first, base + second
+
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         _, _, T, hidden, num_experts = handle
-        regions = self._regions(T, hidden, num_experts)
-        start = self.area + regions.zero_copy_offset + self.combine_buffer_index * regions.zero_copy_bytes
-        view = self.memory.local[start: start + regions.zero_copy_bytes].view(torch.bfloat16)
+        *starts, size = self._zero_copy_starts(T, hidden, num_experts)
+        start = starts[self.combine_buffer_index]
+        view = self.memory.local[start: start + size].view(torch.bfloat16)
         return view.view(num_experts // self.num_ranks, self.num_ranks * T, hidden)
 
     def local_bytes(self) -> torch.Tensor:
@@ -381,8 +424,10 @@ class LowLatencyEngine:
             num_warps=4)
         # Slots restart too, so ranks that made different numbers of calls before (one that was
         # masked and idle, say) agree on them again.
-        self.dispatch_order = CallOrder("low_latency_dispatch")
-        self.combine_order = CallOrder("low_latency_combine")
+        self.dispatch_order.reset()
+        self.combine_order.reset()
 
     def release(self) -> None:
+        self.fast_dispatch.clear()   # their launches point into the memory released here
+        self.fast_combine.clear()
         self.memory.release()

@@ -1,0 +1,214 @@
+"""The low-latency fast path (tritonep/backends/nvlink/low_latency_fast.py) launches exactly what
+the general path launches, and returns the same results.
+
+Under Triton's interpreter the NVLink engine makes no compiled launches, so nothing would be
+learnt. Here the launches are recorded instead of run: the kernels are replaced by a stand-in
+that compiles nothing, and each compiled launch snapshots its raw argument list when called.
+Every call of a sequence then runs twice from the same host state (call counters, pending
+hooks, zero-copy buffer): through the fast path, then through the general path; the recorded
+launches (with their hooks' launches), the results and the state after must be equal. The
+kernels themselves are checked by the other low-latency tests, on the interpreter and the GPUs,
+where repeated calls take the fast path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import tritonep as deep_ep
+
+T, HIDDEN, NUM_EXPERTS, NUM_TOPK = 8, 512, 8, 3
+
+# (dispatch options, combine options): each runs for 6 calls (the first two learn the slots).
+SEQUENCES = [
+    (dict(use_fp8=True), dict()),
+    (dict(use_fp8=False, return_recv_hook=True), dict(return_recv_hook=True)),
+    (dict(use_fp8=True, round_scale=True, use_ue8m0=True, stats=True), dict(zero_copy=True, out=True)),
+    (dict(use_fp8=True, wait_stats=True), dict(wait_stats=True, return_recv_hook=True, out=True)),
+]
+
+
+class _Recorded:
+    """Stands for a compiled launch (launcher._Setup): same raw argument list, records calls."""
+
+    log: list = []
+
+    def __init__(self, compiled: object, grid: int, raw_args: list) -> None:
+        self.args, self.grid = raw_args, grid
+
+    def __call__(self, stream: int) -> None:
+        _Recorded.log.append((id(self), self.grid, tuple(self.args)))
+
+
+class _NoKernel:
+    """``kernel[grid](...)`` that compiles and runs nothing (FastLauncher's first call)."""
+
+    def __init__(self, kernel: object) -> None:
+        self.arg_names = kernel.arg_names
+
+    def __getitem__(self, grid: tuple) -> object:
+        return lambda *args, **kwargs: None
+
+
+def _host_state(engine: object) -> tuple:
+    return (engine.dispatch_order.sent, dict(engine.dispatch_order.pending), engine.combine_order.sent,
+            dict(engine.combine_order.pending), engine.combine_buffer_index)
+
+
+def _set_host_state(engine: object, state: tuple) -> None:
+    (engine.dispatch_order.sent, pending_dispatch, engine.combine_order.sent, pending_combine,
+     engine.combine_buffer_index) = state
+    engine.dispatch_order.pending = dict(pending_dispatch)
+    engine.combine_order.pending = dict(pending_combine)
+
+
+def _summary(value: object) -> object:
+    """What a call returned, comparable across the two paths: tensors by identity and address."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), value.dtype)
+    if isinstance(value, deep_ep.EventOverlap):
+        return ("event", value.event)
+    if callable(value):
+        return "hook"
+    if isinstance(value, tuple):
+        summary = tuple(_summary(item) for item in value)
+        state = getattr(value, "backend_state", None)
+        if state is not None:
+            summary += (_summary(state.topk_slot), _summary(state.dispatch_mask), state.received)
+        return summary
+    return value
+
+
+def _both_paths(engine: object, fast_paths: dict, call: callable) -> tuple[tuple, tuple, tuple]:
+    """``call`` (and its hook) run twice from the same host state: with ``fast_paths`` as the
+    calls so far left it, then with it emptied (the general path; what that run learns is
+    dropped). Returns (fast run, general run, the general run's result); a run is (launches,
+    result summary, host state after)."""
+    before = _host_state(engine)
+    runs = []
+    for use_fast in (True, False):
+        _set_host_state(engine, before)
+        learnt = dict(fast_paths)
+        if not use_fast:
+            fast_paths.clear()
+        _Recorded.log = []
+        result = call()
+        if result[-1] is not None:
+            result[-1]()
+        runs.append((list(_Recorded.log), _summary(result), _host_state(engine)))
+        if not use_fast:
+            fast_paths.clear()
+            fast_paths.update(learnt)
+    return runs[0], runs[1], result
+
+
+def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, combine_options: dict,
+              generator: torch.Generator) -> list[str]:
+    """Two dispatch + combine rounds of one set of options that learn the two slots (and compile),
+    then six with each call through both paths."""
+    R, problems = buffer.group_size, []
+    dispatch_options, combine_options = dict(dispatch_options), dict(combine_options)
+    stats, wait = dispatch_options.pop("stats", False), dispatch_options.pop("wait_stats", False)
+    out = torch.empty(T - 1, HIDDEN, dtype=torch.bfloat16) if combine_options.pop("out", False) else None
+    combine_wait = combine_options.pop("wait_stats", False)
+    for call_index in range(8):
+        x = torch.randn(T - 1, HIDDEN, generator=generator).to(torch.bfloat16)
+        topk_idx = torch.rand(T - 1, NUM_EXPERTS, generator=generator).topk(NUM_TOPK, dim=1).indices
+        weights = torch.rand(T - 1, NUM_TOPK, generator=generator)
+        recv_stats = torch.zeros(NUM_EXPERTS // R, dtype=torch.int32) if stats else None
+        wait_stats = torch.zeros(R, dtype=torch.int64) if wait else None
+        dispatch = functools.partial(buffer.low_latency_dispatch, x, topk_idx, T, NUM_EXPERTS, recv_stats,
+                                     wait_stats, **dispatch_options)
+        if call_index < 2:
+            result = dispatch()
+            if result[-1] is not None:
+                result[-1]()
+        else:
+            fast, general, result = _both_paths(engine, engine.fast_dispatch, dispatch)
+        if call_index >= 2 and fast != general:
+            problems.append(f"dispatch {dispatch_options} call {call_index}: fast {fast} != general {general}")
+        handle = result[2]   # received: _both_paths ran its hook
+        expert_rows = torch.randn(NUM_EXPERTS // R, R * T, HIDDEN, generator=generator).to(torch.bfloat16)
+        if combine_options.get("zero_copy"):
+            buffer.get_next_low_latency_combine_buffer(handle).copy_(expert_rows)
+        combine = functools.partial(buffer.low_latency_combine, expert_rows, topk_idx, weights, handle, out=out,
+                                    combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64)
+                                    if combine_wait else None, **combine_options)
+        if call_index < 2:
+            hook = combine()[-1]
+            if hook is not None:
+                hook()
+            continue
+        fast, general, _ = _both_paths(engine, engine.fast_combine, combine)
+        if out is None:   # each path made its own output: compare all but its address
+            fast, general = _without_out(fast, engine), _without_out(general, engine)
+        if fast != general:
+            problems.append(f"combine {combine_options} call {call_index}: fast {fast} != general {general}")
+    return problems
+
+
+def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
+    from nvlink_cases import make_buffer
+
+    from tritonep.backends.nvlink import launcher, low_latency, low_latency_fast
+    from tritonep.backends.nvlink.low_latency_fast import FastCombine, FastDispatch
+
+    saved = (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
+             launcher.current_stream, low_latency_fast.current_stream, FastDispatch.__call__, FastCombine.__call__)
+    taken = {"dispatch": 0, "combine": 0}
+
+    def counted(kind: str, method: Callable) -> Callable:
+        def call(self: object, *args: object) -> object:
+            result = method(self, *args)
+            taken[kind] += result is not None
+            return result
+        return call
+
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, group.size(), NUM_EXPERTS)
+    buffer = make_buffer(group, "nvlink", num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
+    engine = buffer.backend.low_latency
+    problems: list[str] = []
+    try:
+        launcher.INTERPRET = low_latency.INTERPRET = False
+        low_latency.resident_programs = lambda kernel, args, constants, warps, device, wanted: wanted
+        launcher._Setup = _Recorded
+        launcher.current_stream = low_latency_fast.current_stream = lambda: 7
+        for kernel_launcher in (engine._dispatch_launcher, engine._combine_launcher):
+            kernel_launcher.kernel = _NoKernel(kernel_launcher.kernel)
+        FastDispatch.__call__ = counted("dispatch", FastDispatch.__call__)
+        FastCombine.__call__ = counted("combine", FastCombine.__call__)
+        generator = torch.Generator().manual_seed(group.rank())
+        for dispatch_options, combine_options in SEQUENCES:
+            problems += _sequence(buffer, engine, dispatch_options, combine_options, generator)
+    finally:
+        (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
+         launcher.current_stream, low_latency_fast.current_stream, FastDispatch.__call__,
+         FastCombine.__call__) = saved
+        engine.fast_dispatch.clear()
+        engine.fast_combine.clear()
+        buffer.destroy()
+    # Every compared call takes the fast path.
+    expected = 6 * len(SEQUENCES)
+    if taken != {"dispatch": expected, "combine": expected}:
+        problems.append(f"fast path taken {taken}, expected {expected} times each")
+    return problems
+
+
+def _without_out(run: tuple, engine: object) -> tuple:
+    """A combine run with the output's address taken out of its launches and result, after
+    checking the launches wrote into the output returned."""
+    launches, summary, state = run
+    out_index = engine._combine_launcher.names.index("out_ptr")
+    out_address = summary[0][1]
+    assert all(args[out_index] == out_address for _, _, args in launches), "launch did not write the output"
+    stripped = [(setup, grid, args[:out_index] + args[out_index + 1:]) for setup, grid, args in launches]
+    return stripped, summary[1:], state
+
+
+def test_fast_path_launches_what_the_general_path_launches(interpreter_pools) -> None:
+    problems = interpreter_pools(1).run(fast_path_matches_general_path)
+    assert problems == [[]]

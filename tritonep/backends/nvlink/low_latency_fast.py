@@ -1,0 +1,215 @@
+"""The decode-time path of the low-latency calls: a repeat costs a few attribute reads and one launch.
+
+A decode server makes the same low-latency call (same options, same tensor shapes) twice per
+MoE layer per step. The general path (``Buffer`` checks, request objects, the launch variant's
+lookup, ``FastLauncher``'s conversion of every changing argument) cost 13 us of Python on an
+H200 host beside 4.7 us for the launch itself (docs/benchmarks/2026-11-23-host-path); issue 11
+asks for 10 us in all.
+
+A ``FastDispatch`` / ``FastCombine`` stands for one such call shape. The general path fills it
+as it runs (``learn``): per receive slot, the compiled launches it made (``launcher._Setup``:
+the kernel and its raw argument list, tensors as addresses) and the outputs it reused. A repeat
+then checks its tensors (dtype, contiguity, device, 16-byte alignment: what those launches were
+compiled for; the shapes are part of the key that found the object), writes the addresses that
+change into the argument lists and launches them. The call order (slots, pending hooks) and the
+status word are the engine's, shared with the general path, so the two paths interleave freely.
+Anything unusual (a slot not learnt yet, a pending hook on the slot, a time-out report, a tensor
+that does not fit) returns None, and the caller takes the general path, which checks
+everything and raises with the message.
+
+Under Triton's interpreter ``FastLauncher`` makes no compiled launches, so nothing is learnt and
+every call takes the general path; ``tests/test_low_latency_fast.py`` checks the arguments the
+fast path writes against the general path's with the launches recorded instead of run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...event import EventOverlap
+from ...handles import LowLatencyHandle
+from .launcher import current_stream
+
+if TYPE_CHECKING:
+    from .low_latency import LowLatencyEngine
+
+_BF16, _INT64, _INT32, _FLOAT32 = torch.bfloat16, torch.int64, torch.int32, torch.float32
+_NO_EVENT = EventOverlap(None)   # holds nothing: one object serves every call
+
+
+@dataclass
+class LowLatencyState:
+    """What a handle carries for its combine, besides (src_info, layout_range, T, H, E)."""
+
+    topk_slot: torch.Tensor    # int8 [E/R, R*T]: which top-k entry of its token each row is
+    dispatch_mask: torch.Tensor  # int32 [R]: the ranks the dispatch skipped (shrink mode; else unused)
+    received: bool = False
+
+
+def aligned(*addresses: int) -> bool:
+    """Every address 16-byte aligned: what the learnt launches were compiled for."""
+    bits = 0
+    for address in addresses:
+        bits |= address
+    return not bits & 15
+
+
+def _fits(tensor: torch.Tensor, dtype: torch.dtype, device_index: int) -> bool:
+    """dtype, contiguity and device (the shape was part of the key that found the call shape)."""
+    return tensor.dtype is dtype and tensor.is_contiguous() and tensor.get_device() == device_index
+
+
+def _stats_fit(stats: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int], device_index: int) -> bool:
+    return stats is None or (type(stats) is torch.Tensor and stats.shape == shape
+                             and _fits(stats, dtype, device_index))
+
+
+class _Slots:
+    """What the general path learnt per receive slot: [first launch, receive launch] (the
+    receive launch only with a hook) and the outputs."""
+
+    def __init__(self) -> None:
+        self.launches: list[list[Any]] = [[None, None], [None, None]]
+        self.outputs: list[Any] = [None, None]
+
+    def learn(self, slot: int, first: Any, outputs: Any) -> None:
+        if first is not None:
+            self.launches[slot][0] = first
+            self.outputs[slot] = outputs
+
+    def learn_receive(self, slot: int, receive: Any) -> None:
+        if receive is not None:
+            self.launches[slot][1] = receive
+
+
+def _receive_hook(engine: LowLatencyEngine, order: Any, call: int, slot: int, receive: Any,
+                  changes: tuple[tuple[int, int], ...], after: Callable[[], None] | None) -> Callable[[], None]:
+    """The receive hook of a fast call: the general hook's checks, then the learnt receive
+    launch with this call's addresses."""
+    def hook() -> None:
+        engine.check_status()
+        order.finish(call, slot)
+        raw = receive.args
+        for index, value in changes:
+            raw[index] = value
+        receive(current_stream())
+        if after is not None:
+            after()
+    return hook
+
+
+class FastDispatch:
+    """One low-latency dispatch shape: (x shape, top-k shape, T, E, fp8 options, hook, which
+    statistics are given)."""
+
+    def __init__(self, engine: LowLatencyEngine, hook: bool, num_max_tokens: int, hidden: int, num_experts: int,
+                 names: list[str]) -> None:
+        self.engine, self.hook = engine, hook
+        self.num_max_tokens, self.hidden, self.num_experts = num_max_tokens, hidden, num_experts
+        self.device_index = engine.device.index if engine.device.type == "cuda" else -1
+        self.local_shape, self.rank_shape = (num_experts // engine.num_ranks,), (engine.num_ranks,)
+        self.slots = _Slots()
+        self.x_arg, self.topk_arg = names.index("x_ptr"), names.index("topk_idx_ptr")
+        self.recv_stats_arg, self.wait_stats_arg = names.index("recv_stats_ptr"), names.index("wait_stats_ptr")
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_stats: torch.Tensor | None,
+                 wait_stats: torch.Tensor | None) -> tuple | None:
+        """Buffer.low_latency_dispatch's return value, or None: take the general path."""
+        engine, device_index = self.engine, self.device_index
+        order = engine.dispatch_order
+        slot = order.sent & 1
+        first, receive = self.slots.launches[slot]
+        if (first is None or (self.hook and receive is None) or slot in order.pending or engine.status_view[0]
+                or not (_fits(x, _BF16, device_index) and _fits(topk_idx, _INT64, device_index)
+                        and _stats_fit(recv_stats, _INT32, self.local_shape, device_index)
+                        and _stats_fit(wait_stats, _INT64, self.rank_shape, device_index))):
+            return None
+        changes = [(self.x_arg, x.data_ptr()), (self.topk_arg, topk_idx.data_ptr())]
+        if recv_stats is not None:
+            changes.append((self.recv_stats_arg, recv_stats.data_ptr()))
+        if wait_stats is not None:
+            changes.append((self.wait_stats_arg, wait_stats.data_ptr()))
+        if not aligned(*[address for _, address in changes]):
+            return None
+        call = order.sent = order.sent + 1
+        raw = first.args
+        for index, value in changes:
+            raw[index] = value
+        first(current_stream())
+        packed, _, _, packed_count, src_info, layout_range, topk_slot, dispatch_mask = self.slots.outputs[slot]
+        state = LowLatencyState(topk_slot, dispatch_mask, not self.hook)
+        handle = LowLatencyHandle(src_info, layout_range, self.num_max_tokens, self.hidden, self.num_experts,
+                                  engine.buffer_id, state)
+        if not self.hook:
+            return packed, packed_count, handle, _NO_EVENT, None
+        order.pending[slot] = call
+
+        def received() -> None:
+            state.received = True
+
+        return packed, packed_count, handle, _NO_EVENT, _receive_hook(engine, order, call, slot, receive,
+                                                                      tuple(changes), received)
+
+
+class FastCombine:
+    """One low-latency combine shape: (T, H, E, top-k shape, zero copy, hook, out given, wait
+    statistics given)."""
+
+    def __init__(self, engine: LowLatencyEngine, hook: bool, zero_copy: bool, num_max_tokens: int, hidden: int,
+                 num_experts: int, names: list[str]) -> None:
+        self.engine, self.hook, self.zero_copy = engine, hook, zero_copy
+        self.hidden, self.buffer_id = hidden, engine.buffer_id
+        self.device_index = engine.device.index if engine.device.type == "cuda" else -1
+        self.device = engine.device
+        R = engine.num_ranks
+        self.x_shape, self.rank_shape = (num_experts // R, R * num_max_tokens, hidden), (R,)
+        self.slots = _Slots()
+        # Zero copy: the two send buffers' addresses (the general path makes a view of one).
+        self.zero_copy_addresses = engine.zero_copy_addresses(num_max_tokens, hidden, num_experts)
+        self.args = tuple(names.index(name) for name in (
+            "x_ptr", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr", "topk_idx_ptr", "topk_weights_ptr",
+            "out_ptr", "dispatch_mask_ptr", "wait_stats_ptr"))
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
+                 out: torch.Tensor | None, wait_stats: torch.Tensor | None) -> tuple | None:
+        """Buffer.low_latency_combine's return value, or None: take the general path."""
+        engine, device_index = self.engine, self.device_index
+        order = engine.combine_order
+        slot = order.sent & 1
+        first, receive = self.slots.launches[slot]
+        state = handle.backend_state
+        if (first is None or (self.hook and receive is None) or slot in order.pending or engine.status_view[0]
+                or handle.buffer_id != self.buffer_id or not state.received
+                or not (x.shape == self.x_shape and _fits(x, _BF16, device_index)
+                        and _fits(topk_idx, _INT64, device_index)
+                        and type(topk_weights) is torch.Tensor and topk_weights.shape == topk_idx.shape
+                        and _fits(topk_weights, _FLOAT32, device_index)
+                        and (out is None or (type(out) is torch.Tensor and out.shape == (topk_idx.shape[0], self.hidden)
+                                             and _fits(out, _BF16, device_index)))
+                        and _stats_fit(wait_stats, _INT64, self.rank_shape, device_index))):
+            return None
+        if out is None:
+            out = torch.empty(topk_idx.shape[0], self.hidden, dtype=_BF16, device=self.device)
+        src_info, layout_range = handle[0], handle[1]
+        source = self.zero_copy_addresses[engine.combine_buffer_index] if self.zero_copy else x.data_ptr()
+        layout_address = layout_range.data_ptr()
+        addresses = (source, src_info.data_ptr(), state.topk_slot.data_ptr(), layout_address, topk_idx.data_ptr(),
+                     topk_weights.data_ptr(), out.data_ptr(), state.dispatch_mask.data_ptr(),
+                     wait_stats.data_ptr() if wait_stats is not None else layout_address)
+        if not aligned(*addresses):
+            return None
+        engine.combine_buffer_index ^= 1
+        call = order.sent = order.sent + 1
+        raw = first.args
+        for index, value in zip(self.args, addresses):
+            raw[index] = value
+        first(current_stream())
+        if not self.hook:
+            return out, _NO_EVENT, None
+        order.pending[slot] = call
+        return out, _NO_EVENT, _receive_hook(engine, order, call, slot, receive, tuple(zip(self.args, addresses)),
+                                             None)
