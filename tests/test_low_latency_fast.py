@@ -14,6 +14,8 @@ where repeated calls take the fast path.
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -22,6 +24,9 @@ import torch.distributed as dist
 import tritonep as deep_ep
 
 T, HIDDEN, NUM_EXPERTS, NUM_TOPK = 8, 512, 8, 3
+# Tokens per call: the first LEARNING_CALLS run the general path (both slots of both counts),
+# the rest are compared; the two counts alternate so that a count left in a shared launch shows.
+TOKENS, LEARNING_CALLS = (7, 7, 5, 5, 7, 5, 5, 7, 5, 7), 4
 
 # (dispatch options, combine options): each runs for 6 calls (the first two learn the slots).
 SEQUENCES = [
@@ -108,28 +113,29 @@ def _both_paths(engine: object, fast_paths: dict, call: callable) -> tuple[tuple
 
 def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, combine_options: dict,
               generator: torch.Generator) -> list[str]:
-    """Two dispatch + combine rounds of one set of options that learn the two slots (and compile),
-    then six with each call through both paths."""
+    """Dispatch + combine rounds of one set of options: four that learn the two slots of two token
+    counts (which share compiled launches), then six with each call through both paths."""
     R, problems = buffer.group_size, []
     dispatch_options, combine_options = dict(dispatch_options), dict(combine_options)
     stats, wait = dispatch_options.pop("stats", False), dispatch_options.pop("wait_stats", False)
-    out = torch.empty(T - 1, HIDDEN, dtype=torch.bfloat16) if combine_options.pop("out", False) else None
+    use_out = combine_options.pop("out", False)
     combine_wait = combine_options.pop("wait_stats", False)
-    for call_index in range(8):
-        x = torch.randn(T - 1, HIDDEN, generator=generator).to(torch.bfloat16)
-        topk_idx = torch.rand(T - 1, NUM_EXPERTS, generator=generator).topk(NUM_TOPK, dim=1).indices
-        weights = torch.rand(T - 1, NUM_TOPK, generator=generator)
+    for call_index, tokens in enumerate(TOKENS):
+        x = torch.randn(tokens, HIDDEN, generator=generator).to(torch.bfloat16)
+        topk_idx = torch.rand(tokens, NUM_EXPERTS, generator=generator).topk(NUM_TOPK, dim=1).indices
+        weights = torch.rand(tokens, NUM_TOPK, generator=generator)
+        out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16) if use_out else None
         recv_stats = torch.zeros(NUM_EXPERTS // R, dtype=torch.int32) if stats else None
         wait_stats = torch.zeros(R, dtype=torch.int64) if wait else None
         dispatch = functools.partial(buffer.low_latency_dispatch, x, topk_idx, T, NUM_EXPERTS, recv_stats,
                                      wait_stats, **dispatch_options)
-        if call_index < 2:
+        if call_index < LEARNING_CALLS:
             result = dispatch()
             if result[-1] is not None:
                 result[-1]()
         else:
             fast, general, result = _both_paths(engine, engine.fast_dispatch, dispatch)
-        if call_index >= 2 and fast != general:
+        if call_index >= LEARNING_CALLS and fast != general:
             problems.append(f"dispatch {dispatch_options} call {call_index}: fast {fast} != general {general}")
         handle = result[2]   # received: _both_paths ran its hook
         expert_rows = torch.randn(NUM_EXPERTS // R, R * T, HIDDEN, generator=generator).to(torch.bfloat16)
@@ -138,7 +144,7 @@ def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, co
         combine = functools.partial(buffer.low_latency_combine, expert_rows, topk_idx, weights, handle, out=out,
                                     combine_wait_recv_cost_stats=torch.zeros(R, dtype=torch.int64)
                                     if combine_wait else None, **combine_options)
-        if call_index < 2:
+        if call_index < LEARNING_CALLS:
             hook = combine()[-1]
             if hook is not None:
                 hook()
@@ -148,6 +154,31 @@ def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, co
             fast, general = _without_out(fast, engine), _without_out(general, engine)
         if fast != general:
             problems.append(f"combine {combine_options} call {call_index}: fast {fast} != general {general}")
+    return problems
+
+
+def _hooks_keep_inputs(buffer: deep_ep.Buffer, generator: torch.Generator) -> list[str]:
+    """A fast call's receive hook keeps the call's tensors alive: the receive half reads some of
+    them (a combine's top-k weights), and two micro-batches drop theirs before the hooks run.
+    SEQUENCES[1] (bf16, hooks) has learnt both slots for 7 tokens."""
+    R, problems = buffer.group_size, []
+    x = torch.randn(7, HIDDEN, generator=generator).to(torch.bfloat16)
+    topk_idx = torch.rand(7, NUM_EXPERTS, generator=generator).topk(NUM_TOPK, dim=1).indices
+    weights = torch.rand(7, NUM_TOPK, generator=generator)
+    _, _, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, T, NUM_EXPERTS, use_fp8=False,
+                                                        return_recv_hook=True)
+    references = [weakref.ref(x), weakref.ref(topk_idx)]
+    del x
+    gc.collect()
+    problems += [f"dispatch hook let input {i} go" for i, ref in enumerate(references) if ref() is None]
+    hook()
+    expert_rows = torch.randn(NUM_EXPERTS // R, R * T, HIDDEN, generator=generator).to(torch.bfloat16)
+    _, _, hook = buffer.low_latency_combine(expert_rows, topk_idx, weights, handle, return_recv_hook=True)
+    references = [weakref.ref(expert_rows), weakref.ref(topk_idx), weakref.ref(weights)]
+    del expert_rows, topk_idx, weights
+    gc.collect()
+    problems += [f"combine hook let input {i} go" for i, ref in enumerate(references) if ref() is None]
+    hook()
     return problems
 
 
@@ -184,6 +215,7 @@ def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
         generator = torch.Generator().manual_seed(group.rank())
         for dispatch_options, combine_options in SEQUENCES:
             problems += _sequence(buffer, engine, dispatch_options, combine_options, generator)
+        problems += _hooks_keep_inputs(buffer, generator)
     finally:
         (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
          launcher.current_stream, low_latency_fast.current_stream, FastDispatch.__call__,
@@ -192,7 +224,7 @@ def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
         engine.fast_combine.clear()
         buffer.destroy()
     # Every compared call takes the fast path.
-    expected = 6 * len(SEQUENCES)
+    expected = (len(TOKENS) - LEARNING_CALLS) * len(SEQUENCES) + 1   # + _hooks_keep_inputs's
     if taken != {"dispatch": expected, "combine": expected}:
         problems.append(f"fast path taken {taken}, expected {expected} times each")
     return problems

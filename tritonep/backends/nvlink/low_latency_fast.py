@@ -87,9 +87,12 @@ class _Slots:
 
 
 def _receive_hook(engine: LowLatencyEngine, order: Any, call: int, slot: int, receive: Any,
-                  changes: tuple[tuple[int, int], ...], after: Callable[[], None] | None) -> Callable[[], None]:
+                  changes: tuple[tuple[int, int], ...], after: Callable[[], None] | None,
+                  keep: tuple) -> Callable[[], None]:
     """The receive hook of a fast call: the general hook's checks, then the learnt receive
-    launch with this call's addresses."""
+    launch with this call's addresses. ``keep``: the call's tensors, alive until the hook (as
+    the general path's hook keeps them): the receive half reads some of them (a combine's
+    top-k weights), and a caller may drop its references before running the hook."""
     def hook() -> None:
         engine.check_status()
         order.finish(call, slot)
@@ -99,6 +102,7 @@ def _receive_hook(engine: LowLatencyEngine, order: Any, call: int, slot: int, re
         receive(current_stream())
         if after is not None:
             after()
+    hook.keep_alive = keep   # type: ignore[attr-defined]
     return hook
 
 
@@ -114,6 +118,9 @@ class FastDispatch:
         self.local_shape, self.rank_shape = (num_experts // engine.num_ranks,), (engine.num_ranks,)
         self.slots = _Slots()
         self.x_arg, self.topk_arg = names.index("x_ptr"), names.index("topk_idx_ptr")
+        # Call shapes that differ only in the number of tokens share compiled launches: each
+        # call writes its own.
+        self.tokens_arg = names.index("num_tokens")
         self.recv_stats_arg, self.wait_stats_arg = names.index("recv_stats_ptr"), names.index("wait_stats_ptr")
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_stats: torch.Tensor | None,
@@ -135,6 +142,7 @@ class FastDispatch:
             changes.append((self.wait_stats_arg, wait_stats.data_ptr()))
         if not aligned(*[address for _, address in changes]):
             return None
+        changes.append((self.tokens_arg, x.shape[0]))
         call = order.sent = order.sent + 1
         raw = first.args
         for index, value in changes:
@@ -151,8 +159,8 @@ class FastDispatch:
         def received() -> None:
             state.received = True
 
-        return packed, packed_count, handle, _NO_EVENT, _receive_hook(engine, order, call, slot, receive,
-                                                                      tuple(changes), received)
+        return packed, packed_count, handle, _NO_EVENT, _receive_hook(
+            engine, order, call, slot, receive, tuple(changes), received, (x, topk_idx, recv_stats, wait_stats))
 
 
 class FastCombine:
@@ -172,7 +180,7 @@ class FastCombine:
         self.zero_copy_addresses = engine.zero_copy_addresses(num_max_tokens, hidden, num_experts)
         self.args = tuple(names.index(name) for name in (
             "x_ptr", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr", "topk_idx_ptr", "topk_weights_ptr",
-            "out_ptr", "dispatch_mask_ptr", "wait_stats_ptr"))
+            "out_ptr", "dispatch_mask_ptr", "wait_stats_ptr", "num_tokens"))
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
                  out: torch.Tensor | None, wait_stats: torch.Tensor | None) -> tuple | None:
@@ -202,6 +210,7 @@ class FastCombine:
                      wait_stats.data_ptr() if wait_stats is not None else layout_address)
         if not aligned(*addresses):
             return None
+        addresses += (topk_idx.shape[0],)
         engine.combine_buffer_index ^= 1
         call = order.sent = order.sent + 1
         raw = first.args
@@ -212,4 +221,4 @@ class FastCombine:
             return out, _NO_EVENT, None
         order.pending[slot] = call
         return out, _NO_EVENT, _receive_hook(engine, order, call, slot, receive, tuple(zip(self.args, addresses)),
-                                             None)
+                                             None, (x, topk_idx, topk_weights, out, wait_stats))
