@@ -459,7 +459,6 @@ class Buffer:
         return combined_x, combined_weights, scope.event
 
     # ------------------------------------------------------------------ low-latency mode
-    @_without_torch_function
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -500,17 +499,29 @@ class Buffer:
             hook: the receive hook when ``return_recv_hook``, else None.
         """
         recv_stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
-        # A decode-time repeat: the backend checks the tensors against the call shape it learnt
-        # and launches, or returns None (see backends/nvlink/low_latency_fast.py).
-        fast_key = None
-        if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and not async_finish:
-            fast_key = (x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
-                        use_ue8m0, return_recv_hook, recv_stats is None, wait_stats is None)
-            fast = self._fast_dispatch.get(fast_key)
-            if fast is not None:
-                result = fast(x, topk_idx, recv_stats, wait_stats)
-                if result is not None:
-                    return result
+        with torch._C.DisableTorchFunction():   # see _without_torch_function (inline: a call's cost)
+            # A decode-time repeat: the backend checks the tensors against the call shape it
+            # learnt and launches, or returns None (see backends/nvlink/low_latency_fast.py).
+            fast_key = None
+            if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and not async_finish:
+                fast_key = (x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                            round_scale, use_ue8m0, return_recv_hook, recv_stats is None, wait_stats is None)
+                fast = self._fast_dispatch.get(fast_key)
+                if fast is not None:
+                    result = fast(x, topk_idx, recv_stats, wait_stats)
+                    if result is not None:
+                        return result
+            return self._general_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                      recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
+                                                      async_finish, return_recv_hook, fast_key)
+
+    def _general_low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                                      num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                                      recv_stats: torch.Tensor | None,
+                                      wait_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
+                                      use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
+                                      fast_key: tuple | None) -> tuple:
+        """low_latency_dispatch with every check, torch functions already disabled."""
         self._check_alive()
         T, R = num_max_dispatch_tokens_per_rank, self.group_size
         # Decode calls repeat one set of options: once those passed the full checks, a call only
@@ -542,7 +553,6 @@ class Buffer:
             scope.keep(result.packed_recv_x, result.packed_recv_count)
         return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, _hook(result.hook)
 
-    @_without_torch_function
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -573,19 +583,33 @@ class Buffer:
         Returns:
             combined_x: bf16 [N, H], out[t] = sum_k topk_weights[t, k] * y_{topk_idx[t, k]}(t).
                 In shrink mode, experts on ranks masked now or at the handle's dispatch count as 0.
+                ``out`` when given; otherwise memory of this Buffer that the combine after next
+                reuses (at most two low-latency results are alive at once, as with dispatch's
+                outputs): pass ``out`` to keep a result longer.
             event, hook: as in low_latency_dispatch.
         """
         wait_stats = combine_wait_recv_cost_stats
-        fast_key = None
-        if (type(handle) is LowLatencyHandle and type(x) is torch.Tensor and type(topk_idx) is torch.Tensor  # noqa: E721
-                and not async_finish):
-            fast_key = (handle[2], handle[3], handle[4], topk_idx.shape, zero_copy, return_recv_hook,
-                        wait_stats is None)
-            fast = self._fast_combine.get(fast_key)
-            if fast is not None:
-                result = fast(x, topk_idx, topk_weights, handle, out, wait_stats)
-                if result is not None:
-                    return result
+        with torch._C.DisableTorchFunction():   # as in low_latency_dispatch
+            fast_key = None
+            if (type(handle) is LowLatencyHandle and type(x) is torch.Tensor  # noqa: E721
+                    and type(topk_idx) is torch.Tensor and not async_finish):
+                fast_key = (handle[2], handle[3], handle[4], topk_idx.shape, zero_copy, return_recv_hook,
+                            wait_stats is None)
+                fast = self._fast_combine.get(fast_key)
+                if fast is not None:
+                    result = fast(x, topk_idx, topk_weights, handle, out, wait_stats)
+                    if result is not None:
+                        return result
+            return self._general_low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                                     return_recv_hook, out, wait_stats, fast_key)
+
+    def _general_low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                                     handle: LowLatencyHandle, zero_copy: bool, async_finish: bool,
+                                     return_recv_hook: bool, out: torch.Tensor | None,
+                                     wait_stats: torch.Tensor | None,
+                                     fast_key: tuple | None) -> tuple[torch.Tensor, EventOverlap,
+                                                                      Callable[[], None] | None]:
+        """low_latency_combine with every check, torch functions already disabled."""
         self._check_alive()
         R, on_gpu = self.group_size, self._on_gpu
         # The fast path of the checks, as in low_latency_dispatch: a known handle and tensors that fit.
