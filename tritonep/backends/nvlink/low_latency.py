@@ -113,18 +113,15 @@ class LowLatencyEngine:
         self._variants: dict[tuple, tuple[dict, int]] = {}
         self._regions_cache: dict[tuple, LowLatencyRegions] = {}
         self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
-        # (programs, warps) per launch of each kernel: two programs of 8 warps per SM, the fastest
-        # shape for the dispatch measured on an H200 (docs/benchmarks/2026-11-24-h200x1). Four
-        # 4-warp programs per SM moving 4 rows per step made the combine 16% faster there, but
-        # with them a shrink-mode GPU test failed before the save_rank_mask fix, which has not
-        # run on a GPU yet: the combine keeps the shape its tests passed with until it does.
-        # The variables are for such sweeps; a single launch gets no more programs than can be
-        # resident at once (_run).
+        # (programs, warps) per launch of each kernel, measured on an H200
+        # (docs/benchmarks/2026-11-24-h200x1 and -s2): the dispatch is fastest with two 8-warp
+        # programs per SM, the combine with four 4-warp programs per SM moving 4 rows per step
+        # (CUDA-graph replay 20.3 against 23.9 us with the dispatch's shape, two rounds each in one
+        # run). The variables are for such sweeps; a single launch gets no more programs than can
+        # be resident at once (_run).
         self.dispatch_shape = self._kernel_shape("", 2, 8)
-        self.combine_shape = self._kernel_shape("COMBINE_", 2, 8)
-        self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "2"))   # the combine's rows per step
-        # Messages the dispatch's receive half copies per step (most (expert, source) blocks hold
-        # about T*K/E of them, 3.6 in DeepEP's decode shape: one step).
+        self.combine_shape = self._kernel_shape("COMBINE_", 4, 4)
+        self.rows = int(os.environ.get("TRITONEP_LL_ROWS", "4"))   # the combine's rows per step
         self.recv_rows = int(os.environ.get("TRITONEP_LL_RECV_ROWS", "4"))
         self.dispatch_order = CallOrder("low_latency_dispatch")
         self.combine_order = CallOrder("low_latency_combine")
