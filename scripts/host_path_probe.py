@@ -18,32 +18,15 @@ import json
 import os
 import pstats
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
 from tritonep.bench_low_latency import _timed_us  # idle GPU at the start event, launch included
+from tritonep.bench_timing import back_to_back_host_us as host_us  # rounds of calls, synced between
 from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
-
-
-def host_us(fn, calls: int = 20, rounds: int = 15) -> float:
-    """CPU time per call with the GPU left to run behind: what the Python path costs. Rounds of
-    few calls, synchronised in between, so a slower GPU never fills the launch queue and makes
-    the host wait (200 calls in a row did for the normal-mode calls); the median round."""
-    for _ in range(5):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - begin) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def _graph_us(fn, calls: int = 10, replays: int = 30) -> float:

@@ -19,7 +19,7 @@ def test_bench_on_cpu_ranks_writes_every_path(tmp_path) -> None:
     assert report["bare_all_to_all_us"] > 0
     low_latency = report["low_latency"]["collective"]
     for key in ("dispatch_us", "combine_us", "pair_us", "dispatch_send_us", "dispatch_recv_us",
-                "dispatch_host_us", "combine_host_us"):
+                "dispatch_host_us", "combine_host_us", "dispatch_host_back_to_back_us", "combine_host_back_to_back_us"):
         assert low_latency[key] > 0, key
     try:
         import deep_ep  # noqa: F401

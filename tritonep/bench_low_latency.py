@@ -12,7 +12,9 @@ times, with CUDA events and L2 flushed before each timed call:
 * ``graph``: per-call time of ``GRAPH_CALLS`` calls captured in one CUDA graph and replayed
   (no launch cost at all; not for the all_to_all_single path: NCCL calls do not capture here);
 * ``gpu``: GPU time per call from torch.profiler (every kernel the call launches, summed);
-* ``host``: CPU time the call takes to return (no synchronisation; the GPU idle before it).
+* ``host``: CPU time the call takes to return (no synchronisation; the GPU idle before it);
+* ``host back to back``: CPU time per call of calls made back to back, as a decode loop makes
+  them (``bench_timing.back_to_back_host_us``; the host-path probes' method).
 
 Times are medians over ``--iters``. "GB/s" is the bytes every rank receives (fp8 rows with
 their scales for dispatch, bf16 rows for combine, each (token, expert) pair counted) over
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep
-from tritonep.bench_timing import flush_l2, load_deepep, slowest
+from tritonep.bench_timing import back_to_back_host_us, flush_l2, load_deepep, slowest
 
 GRAPH_CALLS = 10
 
@@ -66,6 +68,7 @@ def _measure(group: dist.ProcessGroup, buffer, args: argparse.Namespace, x: torc
     result.update(_hook_split(group, buffer, args, x, topk_idx, weights, expert_out, handle))
     for name, call in (("dispatch", dispatch), ("combine", combine)):
         result[f"{name}_host_us"] = _host_us(group, call, args.iters)
+        result[f"{name}_host_back_to_back_us"] = slowest(group, back_to_back_host_us(call))
         if x.is_cuda:
             try:
                 result[f"{name}_gpu_us"] = _profiled_gpu_us(call, args.iters)
@@ -234,3 +237,6 @@ def print_table(report: dict) -> None:
                     us = m[key]
                     print(f"{name + ': ' + kind + ' ' + label:<52}{us:>12.1f}{num_bytes / us / 1e3:>10.1f}")
             print(f"{name + ': ' + kind + ' host CPU time per call':<52}{m[f'{kind}_host_us']:>12.1f}")
+            if f"{kind}_host_back_to_back_us" in m:
+                print(f"{name + ': ' + kind + ' host CPU per call, back to back':<52}"
+                      f"{m[f'{kind}_host_back_to_back_us']:>12.1f}")

@@ -3,6 +3,10 @@ before each timed call, the slowest rank's figure, and finding DeepEP for ``--vs
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -35,3 +39,22 @@ def load_deepep() -> tuple[object | None, str]:
     if getattr(module, "__name__", "") != "deep_ep" or hasattr(module, "InputError"):
         return None, "import deep_ep gave tritonep, not DeepEP"
     return module, ""
+
+
+def back_to_back_host_us(fn: Callable[[], object], calls: int = 20, rounds: int = 15) -> float:
+    """CPU time per call of ``fn`` made back to back, as a decode loop makes them: the median
+    round of ``calls`` calls, the GPU synchronised between rounds (so that a slower GPU never
+    fills the launch queue and makes the host wait), after 5 warm-up calls."""
+    for _ in range(5):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - begin) / calls * 1e6)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return statistics.median(samples)
