@@ -180,8 +180,8 @@ class FastDispatch:
 
 
 class FastCombine:
-    """One low-latency combine shape: (T, H, E, top-k shape, zero copy, hook, out given, wait
-    statistics given)."""
+    """One low-latency combine shape: (T, H, E, top-k shape, zero copy, hook, wait statistics
+    given); with or without ``out`` alike (without, the output is the engine's per-slot one)."""
 
     def __init__(self, engine: LowLatencyEngine, hook: bool, zero_copy: bool, num_max_tokens: int, hidden: int,
                  num_experts: int, names: list[str]) -> None:
