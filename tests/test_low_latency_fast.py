@@ -123,7 +123,7 @@ def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, co
     for call_index, tokens in enumerate(TOKENS):
         x = torch.randn(tokens, HIDDEN, generator=generator).to(torch.bfloat16)
         topk_idx = torch.rand(tokens, NUM_EXPERTS, generator=generator).topk(NUM_TOPK, dim=1).indices
-        weights = torch.rand(tokens, NUM_TOPK, generator=generator)
+        weights = torch.rand(tokens, NUM_TOPK, generator=generator, dtype=torch.float32)
         out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16) if use_out else None
         recv_stats = torch.zeros(NUM_EXPERTS // R, dtype=torch.int32) if stats else None
         wait_stats = torch.zeros(R, dtype=torch.int64) if wait else None
@@ -162,7 +162,7 @@ def _hooks_keep_inputs(buffer: deep_ep.Buffer, generator: torch.Generator) -> li
     R, problems = buffer.group_size, []
     x = torch.randn(7, HIDDEN, generator=generator).to(torch.bfloat16)
     topk_idx = torch.rand(7, NUM_EXPERTS, generator=generator).topk(NUM_TOPK, dim=1).indices
-    weights = torch.rand(7, NUM_TOPK, generator=generator)
+    weights = torch.rand(7, NUM_TOPK, generator=generator, dtype=torch.float32)
     _, _, handle, _, hook = buffer.low_latency_dispatch(x, topk_idx, T, NUM_EXPERTS, use_fp8=False,
                                                         return_recv_hook=True)
     references = [weakref.ref(x), weakref.ref(topk_idx)]
