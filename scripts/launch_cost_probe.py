@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from host_path_probe import host_us  # the same rounds of calls as the host-path probe
 
 import tritonep as deep_ep
 from tritonep.backends.base import LowLatencyDispatchRequest
 from tritonep.backends.nvlink.launcher import FastLauncher, current_stream
+from tritonep.bench_timing import back_to_back_host_us as host_us  # the host-path probe's rounds
 from tritonep.launch import RankPool
 
 

@@ -332,8 +332,10 @@ class LowLatencyEngine:
         if not topk_weights.is_contiguous():
             topk_weights = topk_weights.contiguous()
         num_tokens, num_topk = topk_idx.shape
+        # This slot's output for calls without ``out``, which the fast path learns either way.
+        slot_output = self.combine_output(self.combine_order.next_slot, T, hidden, num_tokens)
         if out is None:
-            out = self.combine_output(self.combine_order.next_slot, T, hidden, num_tokens)
+            out = slot_output
         target = out if out.stride(1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
         call, slot = self.combine_order.start(return_recv_hook)
         combine_mask = self._combine_mask_rows[slot]
@@ -363,7 +365,7 @@ class LowLatencyEngine:
             if fast is None:
                 fast = self.fast_combine[fast_key] = FastCombine(self, return_recv_hook, zero_copy, T, hidden,
                                                                  num_experts, self._combine_launcher.names)
-            fast.slots.learn(slot, first, self.combine_output(slot, T, hidden, num_tokens))
+            fast.slots.learn(slot, first, slot_output)
 
         def copy_back() -> None:
             if target is not out:
