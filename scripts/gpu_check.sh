@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|compat|shared|host|sweep]
+#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|compat|shared|host|sweep|fresh]
 #     normal: normal mode (tests, STRESS=N: N rounds of scripts/dispatch_stress.py per
 #     STRESS_VARIANTS, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench with DeepEP,
 #     low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
@@ -16,7 +16,9 @@
 #     GPUs (correctness across processes, not speed; see tritonep/launch.py; STRESS=N adds the
 #     dispatch stress at each rank count); host: for a
 #     machine with one GPU, the GPU tests at HOST_RANKS ranks (default 1), the host-path probes
-#     (A/B against BASELINE=path when set) and DeepEP's low-latency calls side by side.
+#     (A/B against BASELINE=path when set) and DeepEP's low-latency calls side by side; fresh:
+#     for a machine with one GPU too, the normal-mode host path stage by stage and the
+#     benchmark's normal-mode rows (A/B against BASELINE=path when set).
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -162,6 +164,23 @@ if [ "$MODE" = host ]; then
     timeout 120 python3 scripts/nvshmem_shared_gpu_probe.py --ranks 2 > "$OUT/nvshmem_probe.log" 2>&1
     echo "exit $?"; grep -E "^rank|FAILED|Error|MPG" "$OUT/nvshmem_probe.log" | head -12
   fi
+  exit $status
+fi
+
+if [ "$MODE" = fresh ]; then
+  # One GPU is enough: the normal-mode host path stage by stage (scripts/fresh_dispatch_timeline.py)
+  # and the benchmark's normal-mode rows at the machine's rank count; with BASELINE=path both
+  # again for the package there (A/B in one run). JSON and PNGs end up in one archive.
+  for package in "" ${BASELINE:-}; do
+    tag=${package:+_baseline}
+    echo "== fresh dispatch timeline${package:+ (baseline $package)}"
+    PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 200 python3 scripts/fresh_dispatch_timeline.py \
+      --json "$OUT/timeline$tag.json" 2>&1 | grep -v Warn | tee "$OUT/timeline$tag.log" | head -${TIMELINE_LINES:-70}
+    echo "== benchmark, normal mode${package:+ (baseline $package)}"
+    PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 240 python3 -m tritonep.bench --gpu --ranks "$(nvidia-smi -L | wc -l)" --tokens 4096 \
+      --hidden 7168 --skip-low-latency --out "$OUT/bench$tag" 2>&1 | grep -v Warn | tee "$OUT/bench$tag.log" | tail -21
+  done
+  (cd "$OUT" && tar czf fresh.tgz $(ls | grep -v '\.log$\|fresh.tgz') && rm -rf $(ls | grep -v '\.log$\|fresh.tgz'))
   exit $status
 fi
 

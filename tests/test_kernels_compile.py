@@ -58,7 +58,8 @@ def test_notify_kernel_compiles(exchange: bool) -> None:
                        dict(is_token_in_rank_ptr=BOOL, num_tokens=4096, num_tokens_per_expert_ptr=I32,
                             hidden_words=3584, scale_words=56, num_topk=8, num_experts=256, invalid_ids_ptr=I32,
                             token_list_ptr=I32, token_list_stride=4096, send_pos_ptr=I32,
-                            result_ptr=I32, peer_base_ptrs=I64, rank=1, notify_epoch=3, experts_per_rank=128,
+                            result_ptr=I32, host_result_ptr=I64, peer_base_ptrs=I64, rank=1, notify_epoch=3,
+                            experts_per_rank=128,
                             status_ptr=I64, timeout_ns=60 * 10**9),
                        dict(NOTIFY_FLAG_WORD=0, PAYLOAD_BYTE_OFFSET=8192, PAYLOAD_WORDS=1035, EXPERT_WORDS=1024,
                             SIGNATURE=8, NUM_RANKS=3, RANKS_PAD=4, EXPERTS_PAD=128, BLOCK_T=256, EXCHANGE=exchange))

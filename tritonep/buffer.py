@@ -24,6 +24,7 @@ from .config import Config
 from .event import EventOverlap, capture_event
 from .groups import backend_for_comm, check_comm, group_from_comm
 from .handles import DispatchHandle, LowLatencyHandle
+from .routing import round_up
 from .streams import on_comm_stream
 
 _buffer_ids = itertools.count(1)
@@ -69,7 +70,7 @@ def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int,
     sets of a dispatch receive area for [E, T] fp8-or-bf16 messages, a combine receive area for
     [T, 11] bf16 rows and a zero-copy combine buffer of [E, T] bf16 rows."""
     regions = LowLatencyRegions(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-    return _round_up(regions.total_bytes, 1 << 20)
+    return round_up(regions.total_bytes, 1 << 20)
 
 
 def nvl_bytes_for(num_tokens: int, hidden: int, num_ranks: int, num_topk: int = 8) -> int:
@@ -82,11 +83,7 @@ def nvl_bytes_for(num_tokens: int, hidden: int, num_ranks: int, num_topk: int = 
     rows = num_tokens * num_ranks
     dispatch_row = hidden * 2 + (hidden // 128) * 4 + 12 * num_topk + 4
     combine_row = hidden * 2 + 4 * num_topk
-    return _round_up(2 * rows * max(dispatch_row, combine_row) + (1 << 20), 1 << 20)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
+    return round_up(2 * rows * max(dispatch_row, combine_row) + (1 << 20), 1 << 20)
 
 
 class Buffer:

@@ -38,11 +38,16 @@ def check_tensor(
 ) -> torch.Tensor:
     """``shape`` entries of None match any size."""
     dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
-    # Fast path first: a valid call pays for no message formatting (this runs on every call).
+    # Fast path first: a valid call pays for no message formatting (this runs several times per
+    # call, so it avoids what costs: ``tensor.device`` builds an object, ``all()`` a generator).
     if (isinstance(tensor, torch.Tensor) and tensor.dtype in dtypes and tensor.dim() == len(shape)
-            and all(s is None or s == d for s, d in zip(shape, tensor.shape))
-            and tensor.device.type == device.type and (not contiguous or tensor.is_contiguous())):
-        return tensor
+            and (tensor.is_cuda if device.type == "cuda" else tensor.device.type == device.type)
+            and (not contiguous or tensor.is_contiguous())):
+        for wanted, size in zip(shape, tensor.shape):
+            if wanted is not None and wanted != size:
+                break
+        else:
+            return tensor
     require(isinstance(tensor, torch.Tensor), f"{name} must be a torch.Tensor, got {describe(tensor)}")
     assert isinstance(tensor, torch.Tensor)
     require(tensor.dtype in dtypes,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .routing import round_up
+
 
 @dataclass
 class Config:
@@ -33,12 +35,8 @@ class Config:
         :func:`tritonep.buffer.nvl_bytes_for`; a call that does not fit raises and says so.
         """
         rows = self.num_max_nvl_chunked_recv_tokens * num_ranks
-        return _round_up(2 * rows * (hidden_bytes + 512) + (1 << 20), 128)
+        return round_up(2 * rows * (hidden_bytes + 512) + (1 << 20), 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Internode (RDMA) buffer hint; zero until the internode backend exists."""
         return 0
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple

@@ -50,6 +50,11 @@ def to_local_expert_ids(topk_idx: torch.Tensor, rank: int, experts_per_rank: int
     return torch.where((topk_idx >= 0) & (local >= 0) & (local < experts_per_rank), local, -1)
 
 
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
+    return (value + multiple - 1) // multiple * multiple
+
+
 def round_up_counts(counts: list[int], alignment: int) -> list[int]:
     """Round each count up to a multiple of ``alignment`` (the per-expert list of dispatch)."""
     return [(c + alignment - 1) // alignment * alignment for c in counts]

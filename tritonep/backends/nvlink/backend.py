@@ -9,7 +9,9 @@ symmetric allocation (``num_rdma_bytes``) and two kernels.
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +22,6 @@ from ...checks import InputError
 from ...config import Config
 from ...handles import DispatchHandle, LowLatencyHandle
 from ...routing import count_rows_from_prefix, round_up_counts
-from ...streams import current_stream
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
 from .combine_copy_engine import combine_copies, combine_copy_jobs
 from .combine_kernel import combine_kernel
@@ -29,13 +30,22 @@ from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
 from .memory import MAX_CHANNELS, SymmetricBuffer
-from .notify_kernel import notify_dispatch
+from .notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
 from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
 from .tuning import Tuning, split_programs, tile_shape
 
-_DISPATCH = FastLauncher(dispatch_kernel)
-_COMBINE = FastLauncher(combine_kernel)
+# A launch converts only these arguments per call; the others are fixed by the backend and
+# the call's shape, which the setup key stands for (``_DispatchShape``, ``combine``).
+_COMBINE = FastLauncher(combine_kernel, changing=(
+    "x_ptr", "x_words_ptr", "weights_ptr", "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "bias0_ptr",
+    "bias1_ptr", "out_ptr", "out_weights_ptr", "num_tokens", "epoch", "released_target"))
+_DISPATCH = FastLauncher(dispatch_kernel, changing=(
+    "x_ptr", "scales_ptr", "scale_token_stride", "scale_col_stride", "topk_idx_ptr", "topk_weights_ptr",
+    "token_list_ptr", "token_list_stride", "prefix_ptr", "out_x_ptr", "out_scales_ptr", "out_idx_ptr",
+    "out_weights_ptr", "out_src_ptr", "num_out_rows", "epoch", "released_target"))
+# Distinct per backend and kernel shapes (see ``NvlinkBackend.tuning``): part of every setup key.
+_LAUNCH_KEYS = itertools.count()
 
 
 @dataclass
@@ -49,6 +59,48 @@ class SendPlan:
     combine_copies: list[tuple[int, int, int, int]] | None = None   # made by the first combine (CE path)
 
 
+@dataclass
+class _DispatchShape:
+    """What every dispatch of one shape (x dtype and hidden, scales, top-k, experts, num_sms)
+    shares, worked out once per backend and tuning: the staging layout, the program split, the
+    kernel constants and the launches' setup keys."""
+
+    x_words: int
+    scale_words: int
+    num_topk: int
+    experts_per_rank: int
+    row_bytes: int
+    capacity: int
+    regions: list[int]
+    senders: int
+    receivers: int
+    send_constants: dict
+    receive_constants: dict
+    send_setup: tuple
+    receive_setup: tuple
+    unused_outputs: tuple   # the send half's output arguments: placeholders of the right types
+
+    @staticmethod
+    def make(backend: NvlinkBackend, key: tuple, x_words: int, scale_words: int, num_topk: int, num_experts: int,
+             num_sms: int) -> _DispatchShape:
+        R, t = backend.num_ranks, backend.tuning
+        row_bytes = 4 * x_words
+        capacity, regions = backend._dispatch_regions(x_words, scale_words, num_topk)
+        senders, receivers = split_programs(num_sms, t.sender_fraction)
+        constants = dict(
+            TAIL_WORD=backend.memory.signals.dispatch_tail, DONE_WORD=backend.memory.signals.dispatch_done,
+            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
+            HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
+            TOPK_PAD=_pow2(max(num_topk, 1)), BLOCK=min(_pow2(x_words), t.block), GPU=GPU_KERNELS,
+            **tile_shape(t.rows, row_bytes))
+        unused = backend._placeholder(torch.int32)
+        return _DispatchShape(
+            x_words, scale_words, num_topk, max(num_experts // R, 1), row_bytes, capacity, regions, senders,
+            receivers, dict(constants, SEND=True), dict(constants, SEND=False), (backend._launch_key, key, True),
+            (backend._launch_key, key, False),
+            (unused, unused, backend._placeholder(torch.int64), backend._placeholder(torch.float32), unused, 0))
+
+
 class NvlinkBackend(Backend):
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  low_latency_mode: bool) -> None:
@@ -59,10 +111,11 @@ class NvlinkBackend(Backend):
         self._memory = SymmetricBuffer(group, num_nvl_bytes, self._device, interpret=INTERPRET) \
             if num_nvl_bytes > 0 else None
         self.half_bytes = self._memory.data_bytes // 2 // 4096 * 4096 if self._memory is not None else 0
-        self.status = torch.zeros(1, dtype=torch.int64, device=self._device)
+        # The kernels write a timed-out wait's (phase, peer) straight into host memory (pinned,
+        # which the GPU reaches under unified addressing): the host reads it with no copy.
+        self.status = torch.zeros(1, dtype=torch.int64, device="cpu", pin_memory=not INTERPRET)
+        self._status_host = self.status.numpy()
         self.invalid_ids = torch.zeros(1, dtype=torch.int32, device=self._device)
-        self.status_host = self.status if INTERPRET else torch.zeros(1, dtype=torch.int64, device="cpu",
-                                                                    pin_memory=True)
         self.timeout_ns = int(float(os.environ.get("TRITONEP_TIMEOUT_S", "60")) * 1e9)
         self.notify_epoch = 0
         self.dispatch_epoch = 0
@@ -71,16 +124,19 @@ class NvlinkBackend(Backend):
         # every peer's done counter, so a sender knows when the staging it writes is free again.
         self.dispatch_released = 0
         self.combine_released = 0
+        self._dispatch_shapes: dict[tuple, _DispatchShape] = {}
         self.tuning = Tuning()
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         # A num_worst_tokens dispatch does not sync, so whether its padding was large enough is
-        # checked when the next call starts: (received rows per rank, num_worst_tokens, event).
-        self._unchecked_padding: tuple[torch.Tensor, int, torch.cuda.Event | None] | None = None
+        # checked when the next call starts: (its exchange's epoch, num_worst_tokens).
+        self._unchecked_padding: tuple[int, int] | None = None
+        # The count exchange writes its result here (pinned host memory) and the host polls it.
+        self._mailbox = torch.zeros(mailbox_words(self.num_ranks), dtype=torch.int64, device="cpu",
+                                    pin_memory=not INTERPRET)
+        self._mailbox_host = self._mailbox.numpy()
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
         self._peer_streams = PeerStreams(self._device)
         self._receive_streams = PeerStreams(self._device)
-        self._counts_host = torch.empty(0, dtype=torch.int32, device="cpu")
-        self._counts_copied = None if INTERPRET else torch.cuda.Event()
         # The copy-engine combine's reducers spin while one-program signal kernels on side
         # streams must still find an SM: leave a few free.
         self._max_reducers = MAX_CHANNELS if INTERPRET else \
@@ -88,6 +144,18 @@ class NvlinkBackend(Backend):
         # Low-latency mode has its own allocation (the front end checks its size per call).
         self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device) \
             if low_latency_mode and num_rdma_bytes > 0 else None
+
+    @property
+    def tuning(self) -> Tuning:
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, tuning: Tuning) -> None:
+        """Kernel shapes (scripts and tests swap them per Buffer): the launches learnt under the
+        old ones must not be reused, so they get a new key."""
+        self._tuning = tuning
+        self._launch_key = next(_LAUNCH_KEYS)
+        self._dispatch_shapes.clear()
 
     @property
     def device(self) -> torch.device:
@@ -121,29 +189,28 @@ class NvlinkBackend(Backend):
         """Raise if a kernel of an earlier call gave up waiting on a peer, or if an earlier
         num_worst_tokens dispatch received more rows than it had room for."""
         self._check_padding()
-        code = int(self.status_host.numpy()[0])   # pinned host copy: no device sync
+        code = int(self._status_host[0])   # written by the kernels into host memory: no sync
         if code:
             raise timeout_error(code, self.rank, self.timeout_ns, "dispatch/combine calls")
 
-    def _remember_padding(self, rank_prefix_matrix: torch.Tensor, num_worst_tokens: int) -> None:
-        received = torch.empty(self.num_ranks, dtype=torch.int32, device="cpu", pin_memory=not INTERPRET)
-        received.copy_(rank_prefix_matrix[-1], non_blocking=True)
-        event = None
-        if not INTERPRET:
-            event = torch.cuda.Event()
-            event.record()
-        self._unchecked_padding = (received, num_worst_tokens, event)
+    def _remember_padding(self, num_worst_tokens: int) -> None:
+        """A num_worst_tokens dispatch does not wait for its counts: the next call checks them
+        (from the mailbox, still holding this exchange's result then). Not under CUDA-graph
+        capture, where the exchange does not run until a replay."""
+        if INTERPRET or not torch.cuda.is_current_stream_capturing():
+            self._unchecked_padding = (self.notify_epoch, num_worst_tokens)
 
     def _check_padding(self) -> None:
         """Every rank holds the same received counts, so with equal num_worst_tokens every rank
         raises here, at the same call, before any communication."""
         if self._unchecked_padding is None or (not INTERPRET and torch.cuda.is_current_stream_capturing()):
             return
-        received, limit, event = self._unchecked_padding
+        epoch, limit = self._unchecked_padding
         self._unchecked_padding = None
-        if event is not None:
-            event.synchronize()   # recorded a call ago: normally finished long since
-        counts = received.tolist()
+        R = self.num_ranks
+        # The last row of rank_prefix_matrix: what each rank received (exchanged a call ago, so
+        # normally long finished).
+        counts = self._mailbox_result(epoch, R * R, "a num_worst_tokens dispatch")[R * (R - 1):]
         if max(counts) > limit:
             worst = counts.index(max(counts))
             raise InputError(f"the previous dispatch had num_worst_tokens={limit}, but rank {worst} received "
@@ -159,10 +226,6 @@ class NvlinkBackend(Backend):
         if ranks_disagreeing:
             raise InputError(f"ranks called dispatch with different arguments: {ranks_disagreeing} rank(s) "
                              "disagree on (hidden, scales, top-k, num_experts) with this rank")
-
-    def _after_launch(self) -> None:
-        if not INTERPRET:
-            self.status_host.copy_(self.status, non_blocking=True)
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         """A one-element tensor passed for an absent output: the kernel's branches that store
@@ -192,6 +255,22 @@ class NvlinkBackend(Backend):
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.invalid_ids)
 
+    def _dispatch_shape(self, request: DispatchRequest) -> _DispatchShape:
+        """The shape of this call's dispatch, worked out on the first call of its kind."""
+        x, scales = request.x, request.x_scales
+        num_topk = request.topk_idx.shape[1] if request.topk_idx is not None else 0
+        scale_words = scales.shape[1] if scales is not None else 0
+        key = (x.dtype, x.shape[1], scale_words, num_topk, request.num_experts, request.config.num_sms)
+        shape = self._dispatch_shapes.get(key)
+        if shape is None:
+            row_bytes = x.shape[1] * x.element_size()
+            if row_bytes % 4:
+                raise InputError(f"the NVLink backend moves rows in 4-byte words; hidden={x.shape[1]} of {x.dtype} "
+                                 f"gives {row_bytes} bytes")
+            shape = self._dispatch_shapes[key] = _DispatchShape.make(
+                self, key, row_bytes // 4, scale_words, num_topk, request.num_experts, request.config.num_sms)
+        return shape
+
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Count exchange (fresh dispatch), then two kernels: the send half on the current stream,
         launched before the host reads the counts back, so rows move while the host sizes and
@@ -199,83 +278,64 @@ class NvlinkBackend(Backend):
         on a side stream that waits for the exchange but not for the send half."""
         self.check_status()
         x, scales = request.x, request.x_scales
-        num_tokens, hidden = x.shape
-        row_bytes = hidden * x.element_size()
-        if row_bytes % 4:
-            raise InputError(f"the NVLink backend moves rows in 4-byte words; hidden={hidden} of {x.dtype} "
-                             f"gives {row_bytes} bytes")
-        x_words, scale_words = row_bytes // 4, (0 if scales is None else scales.shape[1])
-        has_topk = request.topk_idx is not None
-        num_topk = request.topk_idx.shape[1] if has_topk else 0
-        capacity, regions = self._dispatch_regions(x_words, scale_words, num_topk)
+        shape = self._dispatch_shape(request)
         handle = request.cached_handle
-        R = self.num_ranks
+        R, t = self.num_ranks, self.tuning
+        has_topk, num_topk = request.topk_idx is not None, shape.num_topk
         per_expert: list[int] | None = None
-        counts_copied = None
-        # The point of the current stream after which the side stream may run (the receive half,
-        # and the counts' copy to the host): the send half, queued next here, is not waited for.
-        receive_after = None
+        reads_counts = False
         if handle is not None:
             plan: SendPlan = handle.backend_state
             prefix, num_out_rows = handle.rank_prefix_matrix, handle.num_recv_rows
-            if num_out_rows > capacity:
+            if num_out_rows > shape.capacity:
                 raise InputError(f"cached dispatch of {num_out_rows} rows does not fit the NVLink buffer "
-                                 f"({capacity} rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
+                                 f"({shape.capacity} rows of {shape.row_bytes} bytes); make the Buffer with more "
+                                 f"num_nvl_bytes")
         else:
-            if request.num_worst_tokens > capacity:
+            if request.num_worst_tokens > shape.capacity:
                 raise InputError(f"num_worst_tokens={request.num_worst_tokens} does not fit the NVLink buffer "
-                                 f"({capacity} rows of {row_bytes} bytes); make the Buffer with more num_nvl_bytes")
+                                 f"({shape.capacity} rows of {shape.row_bytes} bytes); make the Buffer with more "
+                                 f"num_nvl_bytes")
             self.notify_epoch += 1
             token_list, send_pos, result = notify_dispatch(
                 self.memory, request.is_token_in_rank, request.num_tokens_per_expert,
-                (x_words, scale_words, num_topk, request.num_experts), self.invalid_ids,
-                self.notify_epoch, self.status, self.timeout_ns)
+                (shape.x_words, shape.scale_words, num_topk, request.num_experts), self.invalid_ids,
+                self.notify_epoch, self.status, self.timeout_ns, self._mailbox, self._launch_key)
             prefix = result[: R * R].view(R, R)
             plan = SendPlan(token_list, send_pos, None)
             if request.num_worst_tokens > 0:
                 num_out_rows, per_expert = request.num_worst_tokens, []
-                self._remember_padding(prefix, num_out_rows)
+                self._remember_padding(request.num_worst_tokens)
             else:
-                receive_after = self._receive_streams.mark()
-                counts_copied = self._copy_counts(result, receive_after)
-        senders, receivers = split_programs(request.config.num_sms, self.tuning.sender_fraction)
+                reads_counts = True
+        # The point of the current stream after which the receive half may run: after the
+        # exchange, not after the send half queued next.
+        receive_after = self._receive_streams.mark()
         self.dispatch_epoch += 1
-        t = self.tuning
         words = x.view(torch.int32) if x.dim() == 2 else x
         scale_view = scales.view(torch.int32) if scales is not None else words
-        inputs = (words, x_words, scale_view, max(scale_words, 1),
+        inputs = (words, shape.x_words, scale_view, max(shape.scale_words, 1),
                   scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
                   request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
                   plan.token_list, plan.token_list.stride(0), prefix)
-        rest = (self.memory.peer_base_ptrs, *regions, capacity, self.rank, self.dispatch_epoch,
-                self.dispatch_released, max(request.num_experts // R, 1), self.status, self.timeout_ns)
-        constants = dict(
-            TAIL_WORD=self.memory.signals.dispatch_tail, DONE_WORD=self.memory.signals.dispatch_done,
-            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
-            HAS_SCALES=scales is not None, HAS_TOPK=has_topk, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), BLOCK=min(_pow2(x_words), t.block), GPU=GPU_KERNELS,
-            **tile_shape(t.rows, row_bytes))
-        # The send half writes only into peers' staging: it needs no output and no host count.
-        if receive_after is None:
-            receive_after = self._receive_streams.mark()
+        rest = (self.memory.peer_base_ptrs, *shape.regions, shape.capacity, self.rank, self.dispatch_epoch,
+                self.dispatch_released, shape.experts_per_rank, self.status, self.timeout_ns)
 
-        def send() -> None:
+        def send() -> None:   # writes only into peers' staging: needs no output and no host count
             if R > 1:
-                unused = self._placeholder(torch.int32)
-                _DISPATCH(senders, None, inputs + (unused, unused, self._placeholder(torch.int64),
-                                                   self._placeholder(torch.float32), unused, 0) + rest,
-                          dict(constants, SEND=True), t.warps)
+                _DISPATCH(shape.senders, shape.send_setup, inputs + shape.unused_outputs + rest, shape.send_constants,
+                          t.warps)
 
-        if counts_copied is None or t.send_before_sync:
+        if not reads_counts or t.send_before_sync:
             send()
-        if counts_copied is not None:
-            host = self._read_counts(counts_copied, capacity, row_bytes)
+        if reads_counts:
+            host = self._wait_counts(shape)
             num_out_rows = host[R * (R - 1) + self.rank]
             if not t.send_before_sync:
                 send()
         device = self._device
-        recv_x = torch.empty(num_out_rows, hidden, dtype=x.dtype, device=device)
-        recv_scales = None if scales is None else torch.empty(num_out_rows, scale_words, dtype=scales.dtype,
+        recv_x = torch.empty(num_out_rows, x.shape[1], dtype=x.dtype, device=device)
+        recv_scales = None if scales is None else torch.empty(num_out_rows, shape.scale_words, dtype=scales.dtype,
                                                               device=device)
         recv_idx = torch.empty(num_out_rows, num_topk, dtype=torch.int64, device=device) if has_topk else None
         recv_weights = torch.empty(num_out_rows, num_topk, dtype=torch.float32, device=device) if has_topk else None
@@ -290,58 +350,53 @@ class NvlinkBackend(Backend):
                 if has_topk:
                     recv_idx.fill_(-1)
                     recv_weights.zero_()
-            _DISPATCH(receivers, None, inputs + outputs + rest, dict(constants, SEND=False), t.warps)
+            _DISPATCH(shape.receivers, shape.receive_setup, inputs + outputs + rest, shape.receive_constants, t.warps)
 
         self._receive_streams.fork([receive], after=receive_after)
         self._receive_streams.join()
-        self.dispatch_released += receivers
-        self._after_launch()
-        if counts_copied is not None:   # host bookkeeping, after the launch
+        self.dispatch_released += shape.receivers
+        if reads_counts:   # host bookkeeping, after the launch
             plan.counts = count_rows_from_prefix(host[: R * R], R)
             plan.max_send_rows = max(map(sum, plan.counts))
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
         if handle is None:
-            handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, hidden,
+            handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
 
-    def _copy_counts(self, result: torch.Tensor, after: torch.cuda.Event | None
-                     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Copy the count exchange's result to pinned host memory on the side stream (from the
-        point ``after``), so that the send half queued on the current stream starts at once;
-        the returned event marks the copy done."""
-        if INTERPRET:
-            return result, None
-        if self._counts_host.numel() < result.numel():
-            self._counts_host = torch.empty(result.numel(), dtype=torch.int32, device="cpu", pin_memory=True)
-        host = self._counts_host[: result.numel()]
+    def _mailbox_result(self, epoch: int, words: int, what: str) -> list[int]:
+        """The result words of count exchange ``epoch`` from the host mailbox, once its flag shows
+        the exchange done (the host sync of a fresh dispatch). The poll is bounded: past the
+        kernels' own time-out it waits for the stream (its waits on peers are bounded), then
+        raises if the flag is still missing. Raises a time-out error if the exchange gave up."""
+        box = self._mailbox_host
+        if box[0] != epoch:
+            deadline = time.monotonic() + self.timeout_ns / 1e9 + 5.0
+            while box[0] != epoch:
+                if time.monotonic() > deadline:
+                    # The GPU may simply be busy with earlier work: wait for it, then decide.
+                    torch.cuda.current_stream(self._device).synchronize()
+                    if box[0] != epoch:
+                        raise TimeoutError(f"rank {self.rank}: {what}: the count exchange (notify, epoch {epoch}) "
+                                           f"never reported its result to the host")
+        code = int(self._status_host[0])   # a wait that timed out wrote it before the flag
+        if code:
+            raise timeout_error(code, self.rank, self.timeout_ns, what)
+        return box[MAILBOX_HEADER: MAILBOX_HEADER + words].tolist()
 
-        def copy() -> None:   # the status too: a timed-out exchange must show after the sync
-            self.status_host.copy_(self.status, non_blocking=True)
-            host.copy_(result, non_blocking=True)
-            self._counts_copied.record(current_stream())
-
-        self._receive_streams.fork([copy], after=after)
-        return host, self._counts_copied
-
-    def _read_counts(self, copied: tuple[torch.Tensor, torch.cuda.Event | None], capacity: int,
-                     row_bytes: int) -> list[int]:
-        """The host sync of a fresh dispatch: wait for the counts (not for the send half queued
-        after them) and raise on every rank alike if the exchange found a problem. Returns the
-        result as a list: ``rank_prefix_matrix`` (R * R, row-major), the per-local-expert
-        counts, the disagreeing ranks and the out-of-range ids."""
-        host, event = copied
-        if event is not None:
-            event.synchronize()
-        host = host.tolist()
+    def _wait_counts(self, shape: _DispatchShape) -> list[int]:
+        """The counts of this fresh dispatch's exchange, checked on every rank alike: the
+        mailbox words (``rank_prefix_matrix`` row-major, the per-local-expert counts, the
+        disagreeing ranks, the out-of-range ids)."""
         R = self.num_ranks
-        self.check_status()
+        host = self._mailbox_result(self.notify_epoch, R * R + shape.experts_per_rank + 2, "dispatch")
         self._check_agreement(host[-2], host[-1])
         received = host[R * (R - 1): R * R]
-        if max(received) > capacity:
+        if max(received) > shape.capacity:
             worst = received.index(max(received))
             raise InputError(f"rank {worst} would receive {max(received)} rows but the NVLink buffer "
-                             f"holds {capacity} rows of {row_bytes} bytes; make the Buffer with more num_nvl_bytes")
+                             f"holds {shape.capacity} rows of {shape.row_bytes} bytes; make the Buffer with more "
+                             f"num_nvl_bytes")
         return host
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
@@ -377,6 +432,8 @@ class NvlinkBackend(Backend):
             HAS_BIAS1=bias[1] is not None, COPY_BLOCK=min(_pow2(hidden // 2), t.block),
             BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens, STAGE=t.stage, GPU=GPU_KERNELS,
             **tile_shape(t.rows, 2 * hidden))
+        # Everything the launch does not convert per call (see _COMBINE) follows from these.
+        setup = (self._launch_key, hidden, num_topk, topk_weights is not None, bias[0] is not None, bias[1] is not None)
         if plan.counts is not None and t.copy_engine_combine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
@@ -385,17 +442,17 @@ class NvlinkBackend(Backend):
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
             self._peer_streams.fork(combine_copy_jobs(
                 x, topk_weights, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
-                regions[1], self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces))
+                regions[1], self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces,
+                self._launch_key))
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
-            _COMBINE(reducers, None, args, dict(constants, NUM_SENDERS=0, NUM_REDUCERS=reducers,
-                                                NUM_CHANNELS=pieces), t.warps)
+            _COMBINE(reducers, setup + (0, reducers, pieces), args,
+                     dict(constants, NUM_SENDERS=0, NUM_REDUCERS=reducers, NUM_CHANNELS=pieces), t.warps)
             self._peer_streams.join()
         else:
             senders, reducers = split_programs(config.num_sms, t.combine_sender_fraction)
-            _COMBINE(senders + reducers, None, args, dict(constants, NUM_SENDERS=senders, NUM_REDUCERS=reducers,
-                                                          NUM_CHANNELS=senders), t.warps)
+            _COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
+                     dict(constants, NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=senders), t.warps)
         self.combine_released += reducers
-        self._after_launch()
         return out, out_weights
 
     # ------------------------------------------------------------------ low-latency mode

@@ -50,7 +50,9 @@ def combine_piece_signal_kernel(weights_ptr, peer_base_ptrs, peer, src_row, dst_
     publish(peer_base.to(tl.pointer_type(tl.int64)) + tail_index, value)
 
 
-_SIGNAL = FastLauncher(combine_piece_signal_kernel)
+# Per launch only these change; ``peer_base_ptrs`` is fixed per backend (the caller's ``owner``).
+_SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=(
+    "weights_ptr", "peer", "src_row", "dst_row", "rows", "tail_index", "value"))
 
 
 def piece_range(count: int, piece: int, pieces: int) -> tuple[int, int]:
@@ -62,10 +64,12 @@ def piece_range(count: int, piece: int, pieces: int) -> tuple[int, int]:
 
 def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
                       peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int,
-                      tail_word: int, rank: int, epoch: int, pieces: int) -> list[Callable[[], None]]:
+                      tail_word: int, rank: int, epoch: int, pieces: int, owner: object = None
+                      ) -> list[Callable[[], None]]:
     """One job per peer: its block of ``x`` in ``pieces`` copies, each followed by its signal.
 
     ``copies`` lists ``(peer, first row in x, rows, first row in the peer's staging)``.
+    ``owner``: a key that stands for ``peer_base_ptrs`` (equal keys, equal tensors), or None.
     """
     row_bytes = x.shape[1] * x.element_size()
     x_bytes = x.view(torch.uint8).view(-1)
@@ -73,6 +77,7 @@ def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies
     weights = topk_weights if topk_weights is not None else x
     stamp = epoch << 32
     constants = dict(HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=num_topk, BLOCK=1024)
+    setup = None if owner is None else (owner, staging_weights, topk_weights is not None, num_topk)
 
     def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
         destination = peers[peer]
@@ -84,7 +89,7 @@ def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies
                     continue
                 destination.narrow(0, staging_x + (offset + lo) * row_bytes, (hi - lo) * row_bytes).copy_(
                     x_bytes.narrow(0, (start + lo) * row_bytes, (hi - lo) * row_bytes), non_blocking=True)
-                _SIGNAL(1, None, (weights, peer_base_ptrs, peer, start + lo, offset + lo, hi - lo, staging_weights,
+                _SIGNAL(1, setup, (weights, peer_base_ptrs, peer, start + lo, offset + lo, hi - lo, staging_weights,
                                   tail_word + rank * MAX_CHANNELS + piece, stamp + hi - lo), constants, 4)
         return run
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...launch import SHARED_GPUS_VARIABLE
+from ...routing import round_up
 
 MAX_CHANNELS = 160            # sender programs per launch (> SMs of an H100/H200)
 MAX_LOCAL_EXPERTS = 1024
@@ -65,7 +66,7 @@ class SignalLayout:
     @property
     def signal_bytes(self) -> int:
         payload_bytes = 2 * self.num_ranks * self.payload_words * 4
-        return _round_up(self.notify_payload * 8 + payload_bytes, 4096)
+        return round_up(self.notify_payload * 8 + payload_bytes, 4096)
 
 
 class SymmetricBuffer:
@@ -85,7 +86,7 @@ class SymmetricBuffer:
         self.num_ranks = group.size()
         self.signals = SignalLayout(self.num_ranks)
         self.data_offset = self.signals.signal_bytes
-        self.data_bytes = _round_up(data_bytes, 4096)
+        self.data_bytes = round_up(data_bytes, 4096)
         total = self.data_offset + self.data_bytes
         self._keep_alive: list = []
         if interpret:
@@ -191,7 +192,3 @@ def fabric_memory_available(device: torch.device) -> bool:
     finally:
         driver.cuMemRelease(handle)
         del probe
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple

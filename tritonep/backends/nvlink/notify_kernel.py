@@ -21,9 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ...routing import round_up
 from .launcher import FastLauncher
 from .memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
-from .sync import GPU_KERNELS, PHASE_NOTIFY, publish, wait_at_least
+from .sync import GPU_KERNELS, PHASE_NOTIFY, fence_system, publish, store_relaxed, wait_at_least
+
+# The host mailbox (int64, pinned): [flag = the exchange's epoch, result words...].
+MAILBOX_HEADER = 1
+_HEADER = tl.constexpr(MAILBOX_HEADER)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "notify_epoch", "rank", "experts_per_rank", "timeout_ns", "hidden_words",
@@ -31,7 +36,7 @@ from .sync import GPU_KERNELS, PHASE_NOTIFY, publish, wait_at_least
 def notify_dispatch_kernel(
     is_token_in_rank_ptr, num_tokens, num_tokens_per_expert_ptr, hidden_words, scale_words, num_topk, num_experts,
     invalid_ids_ptr,
-    token_list_ptr, token_list_stride, send_pos_ptr, result_ptr,
+    token_list_ptr, token_list_stride, send_pos_ptr, result_ptr, host_result_ptr,
     peer_base_ptrs, rank, notify_epoch, experts_per_rank, status_ptr, timeout_ns,
     NOTIFY_FLAG_WORD: tl.constexpr, PAYLOAD_BYTE_OFFSET: tl.constexpr, PAYLOAD_WORDS: tl.constexpr,
     EXPERT_WORDS: tl.constexpr, SIGNATURE: tl.constexpr,
@@ -99,8 +104,30 @@ def notify_dispatch_kernel(
         invalid = tl.sum(tl.where(words[None, :] == 4, signatures, 0), axis=1)
         tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, tl.sum(invalid, axis=0))
 
+        # ---- the same words into the host's mailbox (pinned memory), then its flag ----------
+        # The host polls the flag instead of queuing a copy and waiting on an event: the
+        # counts reach it a copy launch and an event round trip sooner. (A timed-out wait above
+        # wrote the status word, host memory too, before this fence.)
+        host_words = host_result_ptr + _HEADER
+        tl.store(host_words + sources[:, None] * NUM_RANKS + ranks[None, :], prefix.to(tl.int64), mask=matrix_mask)
+        tl.store(host_words + NUM_RANKS * NUM_RANKS + experts, tl.sum(received, axis=0).to(tl.int64), mask=expert_mask)
+        tl.store(host_words + NUM_RANKS * NUM_RANKS + experts_per_rank, tl.sum(differs, axis=0).to(tl.int64))
+        tl.store(host_words + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, tl.sum(invalid, axis=0).to(tl.int64))
+        fence_system(GPU)
+        store_relaxed(host_result_ptr, notify_epoch.to(tl.int64), GPU)
 
-_NOTIFY = FastLauncher(notify_dispatch_kernel)
+
+# Per call only these change; the rest (this rank's memory, status, time-out) is fixed per
+# backend, which the caller's ``owner`` key stands for.
+_NOTIFY = FastLauncher(notify_dispatch_kernel, changing=(
+    "is_token_in_rank_ptr", "num_tokens", "num_tokens_per_expert_ptr", "hidden_words", "scale_words", "num_topk",
+    "num_experts", "token_list_ptr", "token_list_stride", "send_pos_ptr", "result_ptr", "notify_epoch",
+    "experts_per_rank"))
+
+
+def mailbox_words(num_ranks: int) -> int:
+    """Size of the host mailbox ``notify_dispatch`` writes: header, then the largest result."""
+    return MAILBOX_HEADER + num_ranks * num_ranks + MAX_LOCAL_EXPERTS + 2
 
 
 def notify_dispatch(
@@ -112,37 +139,47 @@ def notify_dispatch(
     notify_epoch: int,
     status: torch.Tensor,
     timeout_ns: int,
+    mailbox: torch.Tensor,
+    owner: object,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Returns ``(token_list [R, N] int32, send_pos [N+1, R] int32, result)``.
+    """Returns ``(token_list [R, N] int32, send_pos [N+1, R] int32, result)``, views of one
+    allocation (they live together in the handle).
 
     ``signature``: (hidden in 4-byte words, scale words, top-k, experts) of this call; with the
     out-of-range ids counted so far (``invalid_ids``, int32 [1]) it goes to every peer.
 
     ``result`` (int32, None without exchange) holds ``rank_prefix_matrix`` (R*R), the
     per-local-expert receive counts (E/R), the number of ranks whose signature differs, and
-    the out-of-range expert ids counted over all ranks.
+    the out-of-range expert ids counted over all ranks. The kernel also writes them into
+    ``mailbox`` (int64, pinned host memory of ``mailbox_words(R)``) from word 1, and then
+    ``notify_epoch`` into word 0.
+    ``owner``: a key that stands for ``memory``, ``invalid_ids``, ``status``, ``timeout_ns`` and
+    ``mailbox`` (equal keys promise equal values), so a repeated launch converts only the rest.
     Without ``num_tokens_per_expert`` only the send plan is built (no communication).
     """
     num_tokens, num_ranks = is_token_in_rank.shape
-    device = is_token_in_rank.device
-    token_list = torch.empty(num_ranks, max(num_tokens, 1), dtype=torch.int32, device=device)
-    send_pos = torch.empty(num_tokens + 1, num_ranks, dtype=torch.int32, device=device)
     exchange = num_tokens_per_expert is not None
     experts_per_rank = num_tokens_per_expert.shape[0] // num_ranks if exchange else 0
     if experts_per_rank > MAX_LOCAL_EXPERTS:
         raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank are supported, got {experts_per_rank}")
-    result = torch.empty(num_ranks * num_ranks + experts_per_rank + 2, dtype=torch.int32, device=device) \
-        if exchange else None
+    # Each part starts 16-byte aligned, as a tensor of its own would (the kernels' loads vectorise).
+    list_words, pos_words = round_up(num_ranks * max(num_tokens, 1), 4), round_up((num_tokens + 1) * num_ranks, 4)
+    words = torch.empty(list_words + pos_words + num_ranks * num_ranks + experts_per_rank + 2, dtype=torch.int32,
+                        device=is_token_in_rank.device)
+    token_list = words[: num_ranks * max(num_tokens, 1)].view(num_ranks, max(num_tokens, 1))
+    send_pos = words[list_words: list_words + (num_tokens + 1) * num_ranks].view(num_tokens + 1, num_ranks)
+    result = words[list_words + pos_words:] if exchange else None
+    block_t = min(1024, triton.next_power_of_2(max(num_tokens, 1)))
+    experts_pad = triton.next_power_of_2(max(experts_per_rank, 1))
     layout = memory.signals
-    _NOTIFY(1, None, (
+    _NOTIFY(1, (owner, block_t, experts_pad, exchange), (
         is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, *signature, invalid_ids,
-        token_list, token_list.stride(0), send_pos, result if exchange else send_pos,
+        token_list, token_list.stride(0), send_pos, result if exchange else send_pos, mailbox,
         memory.peer_base_ptrs, memory.rank, notify_epoch, max(experts_per_rank, 1), status, timeout_ns,
     ), dict(
         NOTIFY_FLAG_WORD=layout.notify_flag, PAYLOAD_BYTE_OFFSET=layout.notify_payload * 8,
         PAYLOAD_WORDS=layout.payload_words, EXPERT_WORDS=MAX_LOCAL_EXPERTS, SIGNATURE=SIGNATURE_WORDS,
-        NUM_RANKS=num_ranks, RANKS_PAD=triton.next_power_of_2(num_ranks),
-        EXPERTS_PAD=triton.next_power_of_2(max(experts_per_rank, 1)),
-        BLOCK_T=min(1024, triton.next_power_of_2(max(num_tokens, 1))), EXCHANGE=exchange, GPU=GPU_KERNELS,
+        NUM_RANKS=num_ranks, RANKS_PAD=triton.next_power_of_2(num_ranks), EXPERTS_PAD=experts_pad,
+        BLOCK_T=block_t, EXCHANGE=exchange, GPU=GPU_KERNELS,
     ), 8)
     return token_list, send_pos, result

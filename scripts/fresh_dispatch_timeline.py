@@ -1,0 +1,194 @@
+"""Where the extra time of a fresh (non-cached) normal-mode dispatch goes, stage by stage.
+
+A fresh dispatch costs more than a cached one because the receive half cannot be launched
+before the host knows how many rows arrive: the host launches the count exchange, waits for
+the counts, allocates the outputs, then launches the receive. Every microsecond of host work
+on that path delays the receive. This probe stamps the host clock at each stage boundary of
+the NVLink backend's dispatch (by wrapping its internal steps, so it follows this tree's
+names) and prints the median duration of each stage over many calls, beside the GPU time of a
+fresh and a cached call (CUDA events, idle GPU at the start).
+
+    PYTHONPATH=. python scripts/fresh_dispatch_timeline.py [--ranks R] [--calls 50] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import tritonep as deep_ep
+from tritonep.backends.nvlink import backend as nvlink_backend
+from tritonep.buffer import nvl_bytes_for
+from tritonep.launch import RankPool
+
+
+def _stamped(stamps: list, name: str, fn):
+    """``fn`` that appends (name + ':start', t) and (name + ':end', t) host stamps around each call."""
+    def wrapper(*args, **kwargs):
+        stamps.append((name + ":start", time.perf_counter_ns()))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stamps.append((name + ":end", time.perf_counter_ns()))
+    return wrapper
+
+
+def _gpu_us(group: dist.ProcessGroup, fn, calls: int) -> float:
+    """Median CUDA-event time of one call, the GPU idle when it starts (host work included)."""
+    samples = []
+    align = torch.zeros(1, device="cuda")
+    for _ in range(calls):
+        dist.all_reduce(align, group=group)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def _targets() -> list[tuple[object, str]]:
+    """The host steps whose inclusive time is reported (owner, attribute): torch's allocator
+    and stream calls as the library makes them, the checks, the launcher, the backend's steps."""
+    from tritonep import buffer as buffer_module
+    from tritonep import checks, routing
+    from tritonep.backends.nvlink import launcher, side_streams
+    return [(torch, "empty"), (torch, "zeros"), (torch.Tensor, "view"), (torch.Tensor, "tolist"),
+            (torch.cuda.Event, "record"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "wait_event"),
+            (checks, "check_tensor"), (checks, "split_x"), (buffer_module.Buffer, "_check_tokens_per_node"),
+            (launcher.FastLauncher, "__call__"), (launcher._Setup, "__call__"),
+            (side_streams.PeerStreams, "mark"), (side_streams.PeerStreams, "fork"),
+            (side_streams.PeerStreams, "join"), (nvlink_backend.NvlinkBackend, "check_status"),
+            (nvlink_backend.NvlinkBackend, "_dispatch_regions"), (nvlink_backend.NvlinkBackend, "_copy_counts"),
+            (nvlink_backend.NvlinkBackend, "_read_counts"), (nvlink_backend.NvlinkBackend, "_wait_counts"),
+            (nvlink_backend.NvlinkBackend, "_dispatch_shape"), (nvlink_backend.NvlinkBackend, "_after_launch"),
+            (nvlink_backend.NvlinkBackend, "dispatch"), (nvlink_backend.NvlinkBackend, "get_dispatch_layout"),
+            (nvlink_backend, "notify_dispatch"), (nvlink_backend, "dispatch_layout"),
+            (routing, "count_rows_from_prefix"), (routing, "round_up_counts")]
+
+
+def _inclusive_us(group: dist.ProcessGroup, fn, calls: int) -> dict[str, float]:
+    """Median inclusive host time per call of ``fn`` spent in each of ``_targets()`` (and the whole
+    call), with the GPU idle at the start of each call."""
+    totals: dict[str, float] = {}
+    saved = []
+    for owner, attr in _targets():
+        if not hasattr(owner, attr):   # steps of another version of the backend
+            continue
+        original = getattr(owner, attr)
+        name = f"{getattr(owner, '__name__', owner)}.{attr}"
+
+        def timed(*args, _original=original, _name=name, **kwargs):
+            begin = time.perf_counter_ns()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_name] = totals.get(_name, 0.0) + (time.perf_counter_ns() - begin) / 1e3
+        saved.append((owner, attr, original))
+        setattr(owner, attr, timed)
+    samples: dict[str, list[float]] = {}
+    try:
+        for _ in range(calls):
+            dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+            torch.cuda.synchronize()
+            totals.clear()
+            begin = time.perf_counter_ns()
+            fn()
+            totals["(whole call)"] = (time.perf_counter_ns() - begin) / 1e3
+            for name, us in totals.items():
+                samples.setdefault(name, []).append(us)
+    finally:
+        for owner, attr, original in reversed(saved):
+            setattr(owner, attr, original)
+    return {name: round(statistics.median(v + [0.0] * (calls - len(v))), 1) for name, v in samples.items()}
+
+
+def run(group: dist.ProcessGroup, calls: int) -> dict:
+    os.environ["TRITONEP_BACKEND"] = "nvlink"
+    R, rank = group.size(), group.rank()
+    N, H, K, E = 4096, 7168, 8, 256
+    torch.manual_seed(rank)
+    x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+    topk_idx = (torch.randn(N, E, device="cuda").abs() + 1).topk(K, dim=1).indices
+    topk_weights = torch.rand(N, K, device="cuda")
+    buffer = deep_ep.Buffer(group, nvl_bytes_for(N, H, R), explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+
+    def fresh():
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+
+    _, _, _, _, handle, _ = fresh()
+    report = {"ranks": R, "fresh_gpu_us": _gpu_us(group, fresh, calls),
+              "cached_gpu_us": _gpu_us(group, lambda: buffer.dispatch(x, handle=handle), calls)}
+
+    # Host stages of the fresh dispatch: wrap the backend's steps on this instance only.
+    stamps: list = []
+    backend = buffer.backend
+    wrapped = {"notify": ("notify_dispatch", nvlink_backend),
+               "launch": ("_DISPATCH", nvlink_backend)}
+    saved = {name: getattr(module, attr) for name, (attr, module) in wrapped.items()}
+    for name, (attr, module) in wrapped.items():
+        setattr(module, attr, _stamped(stamps, name, saved[name]))
+    for name, attr in (("copy_counts", "_copy_counts"), ("read_counts", "_read_counts"),
+                       ("wait_counts", "_wait_counts")):
+        if hasattr(backend, attr):   # this tree's steps (the probe also runs on older packages)
+            setattr(backend, attr, _stamped(stamps, name, getattr(backend, attr)))
+    backend._receive_streams.fork = _stamped(stamps, "fork", backend._receive_streams.fork)
+    per_stage: dict[str, list[float]] = {}
+    try:
+        for _ in range(calls):
+            dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+            torch.cuda.synchronize()
+            stamps.clear()
+            begin = time.perf_counter_ns()
+            fresh()
+            stamps.append(("call:end", time.perf_counter_ns()))
+            previous, previous_name = begin, "call:start"
+            for name, t in stamps:
+                per_stage.setdefault(f"{previous_name} -> {name}", []).append((t - previous) / 1e3)
+                previous, previous_name = t, name
+    finally:
+        for name, (attr, module) in wrapped.items():
+            setattr(module, attr, saved[name])
+    report["host_stages_us"] = {k: round(statistics.median(v), 1) for k, v in per_stage.items()
+                                if len(v) == calls}
+    calls_by_kind = {"fresh": fresh, "cached": lambda: buffer.dispatch(x, handle=handle),
+                     "layout": lambda: buffer.get_dispatch_layout(topk_idx, E)}
+    report["inclusive_us"] = {kind: _inclusive_us(group, fn, calls) for kind, fn in calls_by_kind.items()}
+    buffer.destroy()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    with RankPool(args.ranks, use_gpu=True, timeout=300) as pool:
+        reports = pool.run(run, args.calls)
+    for rank, report in enumerate(reports):
+        print(f"== rank {rank}: fresh {report['fresh_gpu_us']:.1f} us, cached {report['cached_gpu_us']:.1f} us "
+              f"(GPU, idle at start)")
+        for stage, us in report["host_stages_us"].items():
+            print(f"  {us:8.1f} us  {stage}")
+        for kind, table in report["inclusive_us"].items():
+            print(f"  -- {kind}: inclusive host time per call, wrappers included")
+            for name, us in sorted(table.items(), key=lambda item: -item[1]):
+                print(f"  {us:8.1f} us  {name}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
