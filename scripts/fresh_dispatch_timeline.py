@@ -9,6 +9,9 @@ names) and prints the median duration of each stage over many calls, beside the 
 fresh and a cached call (CUDA events, idle GPU at the start).
 
     PYTHONPATH=. python scripts/fresh_dispatch_timeline.py [--ranks R] [--calls 50] [--json PATH]
+
+More ranks than GPUs share them (``tritonep.launch``): the host stages then still show what
+each rank's host does per call (the combine's per-peer copies grow with R), not GPU speed.
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ def _stamped(stamps: list, name: str, fn):
     return wrapper
 
 
+def _align_tensor(group: dist.ProcessGroup) -> torch.Tensor:
+    """What the ranks all-reduce to start a call together: on the GPU under NCCL, on the CPU
+    when ranks share a GPU (a gloo group; their host times still count, their GPU times do not)."""
+    return torch.zeros(1, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+
+
 def _gpu_us(group: dist.ProcessGroup, fn, calls: int) -> float:
     """Median CUDA-event time of one call, the GPU idle when it starts (host work included)."""
     samples = []
-    align = torch.zeros(1, device="cuda")
+    align = _align_tensor(group)
     for _ in range(calls):
         dist.all_reduce(align, group=group)
         torch.cuda.synchronize()
@@ -62,6 +71,7 @@ def _targets() -> list[tuple[object, str]]:
     from tritonep import checks, routing
     from tritonep.backends.nvlink import launcher, side_streams
     return [(torch, "empty"), (torch, "zeros"), (torch.Tensor, "view"), (torch.Tensor, "tolist"),
+            (torch.Tensor, "copy_"), (torch.Tensor, "narrow"),
             (torch.cuda.Event, "record"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "wait_event"),
             (checks, "check_tensor"), (checks, "split_x"), (buffer_module.Buffer, "_check_tokens_per_node"),
             (launcher.FastLauncher, "__call__"), (launcher._Setup, "__call__"),
@@ -97,7 +107,7 @@ def _inclusive_us(group: dist.ProcessGroup, fn, calls: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {}
     try:
         for _ in range(calls):
-            dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+            dist.all_reduce(_align_tensor(group), group=group)
             torch.cuda.synchronize()
             totals.clear()
             begin = time.perf_counter_ns()
@@ -126,7 +136,7 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
         return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
-    _, _, _, _, handle, _ = fresh()
+    recv_x, _, _, _, handle, _ = fresh()
     report = {"ranks": R, "fresh_gpu_us": _gpu_us(group, fresh, calls),
               "cached_gpu_us": _gpu_us(group, lambda: buffer.dispatch(x, handle=handle), calls)}
 
@@ -146,7 +156,7 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
     per_stage: dict[str, list[float]] = {}
     try:
         for _ in range(calls):
-            dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+            dist.all_reduce(_align_tensor(group), group=group)
             torch.cuda.synchronize()
             stamps.clear()
             begin = time.perf_counter_ns()
@@ -162,6 +172,7 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
     report["host_stages_us"] = {k: round(statistics.median(v), 1) for k, v in per_stage.items()
                                 if len(v) == calls}
     calls_by_kind = {"fresh": fresh, "cached": lambda: buffer.dispatch(x, handle=handle),
+                     "combine": lambda: buffer.combine(recv_x, handle),
                      "layout": lambda: buffer.get_dispatch_layout(topk_idx, E)}
     report["inclusive_us"] = {kind: _inclusive_us(group, fn, calls) for kind, fn in calls_by_kind.items()}
     buffer.destroy()

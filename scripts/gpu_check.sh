@@ -170,17 +170,23 @@ fi
 if [ "$MODE" = fresh ]; then
   # One GPU is enough: the normal-mode host path stage by stage (scripts/fresh_dispatch_timeline.py)
   # and the benchmark's normal-mode rows at the machine's rank count; with BASELINE=path both
-  # again for the package there (A/B in one run). JSON and PNGs end up in one archive.
-  for package in "" ${BASELINE:-}; do
-    tag=${package:+_baseline}
-    echo "== fresh dispatch timeline${package:+ (baseline $package)}"
-    PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 200 python3 scripts/fresh_dispatch_timeline.py \
-      --json "$OUT/timeline$tag.json" 2>&1 | grep -v Warn | tee "$OUT/timeline$tag.log" | head -${TIMELINE_LINES:-70}
-    echo "== benchmark, normal mode${package:+ (baseline $package)}"
-    PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 240 python3 -m tritonep.bench --gpu --ranks "$(nvidia-smi -L | wc -l)" --tokens 4096 \
-      --hidden 7168 --skip-low-latency --out "$OUT/bench$tag" 2>&1 | grep -v Warn | tee "$OUT/bench$tag.log" | tail -21
+  # again for the package there, ROUNDS times alternating (A/B in one run: this machine's host
+  # speed drifts within minutes). Logs, JSON and PNGs end up in one archive.
+  for round in $(seq "${ROUNDS:-1}"); do
+    for package in "" ${BASELINE:-}; do
+      tag=${package:+_baseline}_$round
+      echo "== round $round, fresh dispatch timeline${package:+ (baseline $package)}"
+      PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 200 python3 scripts/fresh_dispatch_timeline.py \
+        --json "$OUT/timeline$tag.json" 2>&1 | grep -v Warn > "$OUT/timeline$tag.log"
+      head -${TIMELINE_LINES:-30} "$OUT/timeline$tag.log"
+      echo "== round $round, benchmark, normal mode${package:+ (baseline $package)}"
+      PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 240 python3 -m tritonep.bench --gpu \
+        --ranks "$(nvidia-smi -L | wc -l)" --tokens 4096 --hidden 7168 --skip-low-latency --out "$OUT/bench$tag" \
+        2>&1 | grep -v Warn > "$OUT/bench$tag.log"
+      grep -E "^tritonep|^all_to_all_single path: (cached|combine)" "$OUT/bench$tag.log"
+    done
   done
-  (cd "$OUT" && tar czf fresh.tgz $(ls | grep -v '\.log$\|fresh.tgz') && rm -rf $(ls | grep -v '\.log$\|fresh.tgz'))
+  (cd "$OUT" && tar czf fresh.tgz $(ls | grep -v 'fresh.tgz\|system.txt') && rm -rf $(ls | grep -v 'fresh.tgz\|system.txt'))
   exit $status
 fi
 

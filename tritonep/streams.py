@@ -15,7 +15,7 @@ stream switches and a ``record_stream`` per output on the host.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -71,18 +71,50 @@ class _StreamSwitch:
         self.to_comm, self.to_compute = torch.cuda.Event(), torch.cuda.Event()
 
 
-@contextmanager
+class _SameStream:
+    """The scope of a call that runs on the current stream: nothing to switch, record or keep.
+    A plain object, because entering a generator-based context manager costs microseconds of
+    host time on every call."""
+
+    def __enter__(self) -> _SameStream:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        return None
+
+    def keep(self, *tensors: object) -> None:
+        return None
+
+    @property
+    def event(self) -> EventOverlap:
+        return EventOverlap(None)
+
+
+_SAME_STREAM = _SameStream()
+
+
 def on_comm_stream(
     comm_stream: torch.cuda.Stream | None,
     previous_event: EventOverlap | None,
     async_finish: bool,
     inputs: tuple = (),
-) -> Iterator[StreamScope]:
-    scope = StreamScope()
+) -> _SameStream | AbstractContextManager[StreamScope]:
+    """The scope a call's work runs in (see the module doc); ``inputs``: the tensors the work reads."""
     waits_for_event = previous_event is not None and previous_event.event is not None
     if comm_stream is None or not (waits_for_event or async_finish):
-        yield scope
-        return
+        return _SAME_STREAM
+    return _on_comm_stream(comm_stream, previous_event, async_finish, inputs, waits_for_event)
+
+
+@contextmanager
+def _on_comm_stream(
+    comm_stream: torch.cuda.Stream,
+    previous_event: EventOverlap | None,
+    async_finish: bool,
+    inputs: tuple,
+    waits_for_event: bool,
+) -> Iterator[StreamScope]:
+    scope = StreamScope()
     switch = getattr(comm_stream, "_tritonep_switch", None)   # made once, lives with the stream
     if switch is None:
         switch = comm_stream._tritonep_switch = _StreamSwitch()
