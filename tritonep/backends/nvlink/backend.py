@@ -23,7 +23,7 @@ from ...config import Config
 from ...handles import DispatchHandle, LowLatencyHandle
 from ...routing import count_rows_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
-from .combine_copy_engine import combine_copies, combine_copy_jobs
+from .combine_copy_engine import combine_copies, combine_copy_jobs, driver_memory_operations
 from .combine_kernel import combine_kernel
 from .dispatch_kernel import dispatch_kernel
 from .launcher import FastLauncher
@@ -141,6 +141,8 @@ class NvlinkBackend(Backend):
         # streams must still find an SM: leave a few free.
         self._max_reducers = MAX_CHANNELS if INTERPRET else \
             torch.cuda.get_device_properties(self._device).multi_processor_count - 4
+        # Combine pieces through the driver when cuda-bindings is there (combine_copy_engine.py).
+        self._driver = None if INTERPRET else driver_memory_operations(self._device)
         # Low-latency mode has its own allocation (the front end checks its size per call).
         self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device) \
             if low_latency_mode and num_rdma_bytes > 0 else None
@@ -443,7 +445,7 @@ class NvlinkBackend(Backend):
             self._peer_streams.fork(combine_copy_jobs(
                 x, topk_weights, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
                 regions[1], self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces,
-                self._launch_key))
+                self._launch_key, self._driver if t.combine_driver else None))
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
             _COMBINE(reducers, setup + (0, reducers, pieces), args,
                      dict(constants, NUM_SENDERS=0, NUM_REDUCERS=reducers, NUM_CHANNELS=pieces), t.warps)

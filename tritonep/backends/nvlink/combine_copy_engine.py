@@ -16,6 +16,13 @@ programs: its reducers wait per stage of tokens for the pieces that hold the sta
 take the stages interleaved (stage i on program i % P), so that every program follows the
 front of arriving pieces and the reduction overlaps the copies instead of trailing them.
 
+Host cost: a combine enqueues two to three operations per piece and peer, so at EP8 its host
+path grows with the rank count. With cuda-bindings installed (and the GPU supporting stream
+memory operations) a piece is two driver calls: ``cuMemcpyDtoDAsync`` of the rows (and one of
+the weights), then ``cuStreamWriteValue64`` of the tail word, which the driver orders after
+the copies with a memory barrier; no kernel. Otherwise it is torch's ``copy_`` and the
+one-program signal kernel, same semantics (``Tuning.combine_driver=False`` chooses it).
+
 Staging reuse: the reduction's last program waits until every peer's reducers finished the
 call (``combine_kernel.release_staging``), and the next combine's copies start only after that
 kernel on the caller's stream, so a copy never overwrites rows a peer has not reduced yet.
@@ -24,12 +31,13 @@ kernel on the caller's stream, so a copy never overwrites rows a peer has not re
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from .launcher import FastLauncher
+from .launcher import FastLauncher, current_stream
 from .memory import MAX_CHANNELS
 from .sync import publish
 
@@ -55,6 +63,28 @@ _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=(
     "weights_ptr", "peer", "src_row", "dst_row", "rows", "tail_index", "value"))
 
 
+def driver_memory_operations(device: torch.device) -> Any:
+    """cuda-bindings' ``driver`` module when it imports and ``device`` supports 64-bit stream
+    memory operations (``cuStreamWriteValue64``), else None (the torch path is used)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return None
+    attribute = getattr(driver.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS", None)
+    if attribute is not None:
+        error, supported = driver.cuDeviceGetAttribute(attribute, device.index or 0)
+        if error != driver.CUresult.CUDA_SUCCESS or not supported:
+            return None
+    return driver
+
+
+def _check(result: tuple, what: str) -> None:
+    if result[0] != 0:   # CUresult.CUDA_SUCCESS
+        raise RuntimeError(f"combine's {what} failed: {result[0]!r}")
+
+
 def piece_range(count: int, piece: int, pieces: int) -> tuple[int, int]:
     """Rows [lo, hi) of a ``count``-row block in piece ``piece`` of ``pieces`` (``rows.channel_range``)."""
     size = -(-count // pieces)
@@ -64,13 +94,17 @@ def piece_range(count: int, piece: int, pieces: int) -> tuple[int, int]:
 
 def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
                       peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int,
-                      tail_word: int, rank: int, epoch: int, pieces: int, owner: object = None
-                      ) -> list[Callable[[], None]]:
+                      tail_word: int, rank: int, epoch: int, pieces: int, owner: object = None,
+                      driver: Any = None) -> list[Callable[[], None]]:
     """One job per peer: its block of ``x`` in ``pieces`` copies, each followed by its signal.
 
     ``copies`` lists ``(peer, first row in x, rows, first row in the peer's staging)``.
     ``owner``: a key that stands for ``peer_base_ptrs`` (equal keys, equal tensors), or None.
+    ``driver``: from ``driver_memory_operations``, or None for torch's copies and the kernel.
     """
+    if driver is not None:
+        return _driver_jobs(driver, x, topk_weights, copies, peers, staging_x, staging_weights, tail_word, rank,
+                            epoch, pieces)
     row_bytes = x.shape[1] * x.element_size()
     x_bytes = x.view(torch.uint8).view(-1)
     num_topk = topk_weights.shape[1] if topk_weights is not None else 1
@@ -91,6 +125,41 @@ def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies
                     x_bytes.narrow(0, (start + lo) * row_bytes, (hi - lo) * row_bytes), non_blocking=True)
                 _SIGNAL(1, setup, (weights, peer_base_ptrs, peer, start + lo, offset + lo, hi - lo, staging_weights,
                                   tail_word + rank * MAX_CHANNELS + piece, stamp + hi - lo), constants, 4)
+        return run
+
+    return [job(*copy) for copy in copies]
+
+
+def _driver_jobs(driver: Any, x: torch.Tensor, topk_weights: torch.Tensor | None,
+                 copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor], staging_x: int,
+                 staging_weights: int, tail_word: int, rank: int, epoch: int, pieces: int
+                 ) -> list[Callable[[], None]]:
+    """``combine_copy_jobs`` through the driver: per piece, the rows' copy, the weights' copy and
+    the tail word written by the stream itself (it fences the copies before the write)."""
+    row_bytes = x.shape[1] * x.element_size()
+    x_address = x.data_ptr()
+    weight_bytes = topk_weights.shape[1] * 4 if topk_weights is not None else 0
+    weights_address = topk_weights.data_ptr() if topk_weights is not None else 0
+    stamp = epoch << 32
+
+    def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
+        base = peers[peer].data_ptr()
+        tail = base + (tail_word + rank * MAX_CHANNELS) * 8
+
+        def run() -> None:
+            stream = current_stream()
+            for piece in range(pieces):
+                lo, hi = piece_range(count, piece, pieces)
+                if hi == lo:
+                    continue
+                _check(driver.cuMemcpyDtoDAsync(base + staging_x + (offset + lo) * row_bytes,
+                                                x_address + (start + lo) * row_bytes, (hi - lo) * row_bytes, stream),
+                       "row copy")
+                if weight_bytes:
+                    _check(driver.cuMemcpyDtoDAsync(base + staging_weights + (offset + lo) * weight_bytes,
+                                                    weights_address + (start + lo) * weight_bytes,
+                                                    (hi - lo) * weight_bytes, stream), "weights copy")
+                _check(driver.cuStreamWriteValue64(stream, tail + piece * 8, stamp + hi - lo, 0), "tail write")
         return run
 
     return [job(*copy) for copy in copies]

@@ -29,6 +29,9 @@ class Tuning:
     # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2).
     copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
     combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "2"))
+    # Those pieces through the CUDA driver (cuda-bindings: a copy and a stream write per piece)
+    # when it is installed; False: torch's copies and a signal kernel per piece.
+    combine_driver: bool = os.environ.get("TRITONEP_COMBINE_DRIVER", "1") == "1"
     # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
     # as one would without the overlap; for A/B runs).
     send_before_sync: bool = os.environ.get("TRITONEP_SEND_BEFORE_SYNC", "1") == "1"
