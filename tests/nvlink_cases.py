@@ -187,6 +187,34 @@ def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) 
     return ""
 
 
+def fresh_dispatch_in_graph_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -> tuple[str, bool]:
+    """A fresh dispatch inside CUDA-graph capture must raise at once (it would wait for counts
+    the capture never produces); the Buffer then still dispatches outside the capture.
+    Returns (the message, whether the dispatch after it matched the CPU backend's row count)."""
+    nvlink, _ = _buffers(group, nvl_bytes)
+    num_experts = 4 * group.size()
+    topk_idx = torch.randint(0, num_experts, (32, 2), device=nvlink.device)
+    x = torch.randn(32, 128, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)
+    weights = torch.rand(32, 2, device=nvlink.device, dtype=torch.float32)
+    per_rank, _, per_expert, in_rank, _ = nvlink.get_dispatch_layout(topk_idx, num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=weights)
+    message = ""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            nvlink.dispatch(x, **layout)
+    except deep_ep.InputError as error:
+        message = str(error)
+    except RuntimeError:   # the capture aborted around the error: only the message matters
+        pass
+    torch.cuda.synchronize()
+    recv_x = nvlink.dispatch(x, **layout)[0]
+    # At one rank every routed token comes back once; with more ranks the dispatch completing
+    # (no time-out, no error) is what is checked here (the other tests compare the rows).
+    return message, group.size() > 1 or recv_x.shape[0] == int(in_rank.sum())
+
+
 def padding_overflow_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -> str:
     """num_worst_tokens smaller than what arrives: that dispatch cannot raise (it never syncs),
     so the next call must raise on every rank, before any communication."""

@@ -14,7 +14,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from nvlink_cases import Case, compare_case, invalid_expert_id_error, low_latency_only_buffer, padding_overflow_error
+from nvlink_cases import (
+    Case,
+    compare_case,
+    fresh_dispatch_in_graph_error,
+    invalid_expert_id_error,
+    low_latency_only_buffer,
+    padding_overflow_error,
+)
 from torch_defaults import pool_options
 
 from tritonep.launch import RankPool, gpu_ranks
@@ -169,6 +176,13 @@ def test_gpu_invalid_expert_id_raises_on_every_rank(gpu_pool) -> None:
     # The buffer stays usable after the refused call.
     _check(gpu_pool, Case(seed=99, tokens=_tokens(gpu_pool, 100, 50), hidden=2048,
                           num_experts=_experts(gpu_pool, 16), num_topk=4), nvl_bytes=1 << 30)
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_fresh_dispatch_in_graph_capture_raises(gpu_pool) -> None:
+    results = gpu_pool.run(fresh_dispatch_in_graph_error)
+    assert all("CUDA-graph capture" in message for message, _ in results), results
+    assert all(usable for _, usable in results), results
 
 
 @pytest.mark.gpu(min_gpus=1)

@@ -294,6 +294,12 @@ class NvlinkBackend(Backend):
                                  f"({shape.capacity} rows of {shape.row_bytes} bytes); make the Buffer with more "
                                  f"num_nvl_bytes")
         else:
+            if request.num_worst_tokens == 0 and not INTERPRET and torch.cuda.is_current_stream_capturing():
+                # Checked before the exchange: the host would wait for counts that a capture
+                # never produces.
+                raise InputError("a dispatch without a handle reads its counts back on the host, which cannot "
+                                 "happen inside CUDA-graph capture; capture a cached dispatch (handle=...) or pass "
+                                 "num_worst_tokens")
             if request.num_worst_tokens > shape.capacity:
                 raise InputError(f"num_worst_tokens={request.num_worst_tokens} does not fit the NVLink buffer "
                                  f"({shape.capacity} rows of {shape.row_bytes} bytes); make the Buffer with more "
