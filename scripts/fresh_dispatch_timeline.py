@@ -6,7 +6,7 @@ the counts, allocates the outputs, then launches the receive. Every microsecond 
 on that path delays the receive. This probe stamps the host clock at each stage boundary of
 the NVLink backend's dispatch (by wrapping its internal steps, so it follows this tree's
 names) and prints the median duration of each stage over many calls, beside the GPU time of a
-fresh and a cached call (CUDA events, idle GPU at the start).
+fresh and a cached call (CUDA events, idle GPU at the start, L2 flushed, slowest rank).
 
     PYTHONPATH=. python scripts/fresh_dispatch_timeline.py [--ranks R] [--calls 50] [--json PATH]
 
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import tritonep as deep_ep
 from tritonep.backends.nvlink import backend as nvlink_backend
+from tritonep.bench_low_latency import _timed_us  # idle GPU at the start event, L2 flushed, slowest rank
 from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
 
@@ -43,26 +44,11 @@ def _stamped(stamps: list, name: str, fn):
     return wrapper
 
 
-def _align_tensor(group: dist.ProcessGroup) -> torch.Tensor:
-    """What the ranks all-reduce to start a call together: on the GPU under NCCL, on the CPU
-    when ranks share a GPU (a gloo group; their host times still count, their GPU times do not)."""
-    return torch.zeros(1, device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
-
-
-def _gpu_us(group: dist.ProcessGroup, fn, calls: int) -> float:
-    """Median CUDA-event time of one call, the GPU idle when it starts (host work included)."""
-    samples = []
-    align = _align_tensor(group)
-    for _ in range(calls):
-        dist.all_reduce(align, group=group)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+def _start_together(group: dist.ProcessGroup) -> None:
+    """Every rank starts the next call at once, the GPU idle: an all-reduce (on the GPU under
+    NCCL, on the CPU when ranks share a GPU in a gloo group), then a device sync."""
+    dist.all_reduce(torch.zeros(1, device="cuda" if dist.get_backend(group) == "nccl" else "cpu"), group=group)
+    torch.cuda.synchronize()
 
 
 def _targets() -> list[tuple[object, str]]:
@@ -109,8 +95,7 @@ def _inclusive_us(group: dist.ProcessGroup, fn, calls: int) -> dict[str, float]:
     fn()   # a first call of its kind learns its launches
     try:
         for _ in range(calls):
-            dist.all_reduce(_align_tensor(group), group=group)
-            torch.cuda.synchronize()
+            _start_together(group)
             totals.clear()
             begin = time.perf_counter_ns()
             fn()
@@ -139,8 +124,8 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
                                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
     recv_x, _, _, _, handle, _ = fresh()
-    report = {"ranks": R, "fresh_gpu_us": _gpu_us(group, fresh, calls),
-              "cached_gpu_us": _gpu_us(group, lambda: buffer.dispatch(x, handle=handle), calls)}
+    report = {"ranks": R, "fresh_gpu_us": _timed_us(group, fresh, calls),
+              "cached_gpu_us": _timed_us(group, lambda: buffer.dispatch(x, handle=handle), calls)}
 
     # Host stages of the fresh dispatch: wrap the backend's steps on this instance only.
     stamps: list = []
@@ -158,8 +143,7 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
     per_stage: dict[str, list[float]] = {}
     try:
         for _ in range(calls):
-            dist.all_reduce(_align_tensor(group), group=group)
-            torch.cuda.synchronize()
+            _start_together(group)
             stamps.clear()
             begin = time.perf_counter_ns()
             fresh()
@@ -200,7 +184,7 @@ def main() -> None:
         reports = pool.run(run, args.calls)
     for rank, report in enumerate(reports):
         print(f"== rank {rank}: fresh {report['fresh_gpu_us']:.1f} us, cached {report['cached_gpu_us']:.1f} us "
-              f"(GPU, idle at start)")
+              f"(GPU, idle at start, slowest rank)")
         for stage, us in report["host_stages_us"].items():
             print(f"  {us:8.1f} us  {stage}")
         for kind, table in report["inclusive_us"].items():

@@ -69,7 +69,6 @@ class _DispatchShape:
     scale_words: int
     num_topk: int
     experts_per_rank: int
-    row_bytes: int
     capacity: int
     regions: list[int]
     senders: int
@@ -79,6 +78,10 @@ class _DispatchShape:
     send_setup: tuple
     receive_setup: tuple
     unused_outputs: tuple   # the send half's output arguments: placeholders of the right types
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * self.x_words
 
     @staticmethod
     def make(backend: NvlinkBackend, key: tuple, x_words: int, scale_words: int, num_topk: int, num_experts: int,
@@ -95,7 +98,7 @@ class _DispatchShape:
             **tile_shape(t.rows, row_bytes))
         unused = backend._placeholder(torch.int32)
         return _DispatchShape(
-            x_words, scale_words, num_topk, max(num_experts // R, 1), row_bytes, capacity, regions, senders,
+            x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, regions, senders,
             receivers, dict(constants, SEND=True), dict(constants, SEND=False), (backend._launch_key, key, True),
             (backend._launch_key, key, False),
             (unused, unused, backend._placeholder(torch.int64), backend._placeholder(torch.float32), unused, 0))

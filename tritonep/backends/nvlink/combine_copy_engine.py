@@ -102,67 +102,68 @@ def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies
     ``owner``: a key that stands for ``peer_base_ptrs`` (equal keys, equal tensors), or None.
     ``driver``: from ``driver_memory_operations``, or None for torch's copies and the kernel.
     """
-    if driver is not None:
-        return _driver_jobs(driver, x, topk_weights, copies, peers, staging_x, staging_weights, tail_word, rank,
-                            epoch, pieces)
+    make = _driver_piece if driver is not None else _torch_piece
+    move_piece = make(driver, x, topk_weights, peers, peer_base_ptrs, staging_x, staging_weights,
+                      tail_word + rank * MAX_CHANNELS, epoch << 32, owner)
+
+    def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
+        def run() -> None:
+            stream = current_stream() if driver is not None else 0   # (the kernel finds its own)
+            for piece in range(pieces):
+                lo, hi = piece_range(count, piece, pieces)
+                if hi > lo:
+                    move_piece(stream, peer, piece, start + lo, offset + lo, hi - lo)
+        return run
+
+    return [job(*copy) for copy in copies]
+
+
+# A piece mover: ``(stream, peer, piece, first row in x, first row in the peer's staging, rows)``
+# copies the piece's rows and top-k weights into the peer's staging, then publishes
+# ``stamp + rows`` in the peer's tail word ``tail_index + piece`` for (this rank, piece).
+PieceMover = Callable[[int, int, int, int, int, int], None]
+
+
+def _torch_piece(driver: Any, x: torch.Tensor, topk_weights: torch.Tensor | None, peers: list[torch.Tensor],
+                 peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int, tail_index: int, stamp: int,
+                 owner: object) -> PieceMover:
+    """torch's copy of the rows, then the one-program signal kernel (weights and tail word)."""
     row_bytes = x.shape[1] * x.element_size()
     x_bytes = x.view(torch.uint8).view(-1)
     num_topk = topk_weights.shape[1] if topk_weights is not None else 1
     weights = topk_weights if topk_weights is not None else x
-    stamp = epoch << 32
     constants = dict(HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=num_topk, BLOCK=1024)
     setup = None if owner is None else (owner, staging_weights, topk_weights is not None, num_topk)
 
-    def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
-        destination = peers[peer]
-
-        def run() -> None:
-            for piece in range(pieces):
-                lo, hi = piece_range(count, piece, pieces)
-                if hi == lo:
-                    continue
-                destination.narrow(0, staging_x + (offset + lo) * row_bytes, (hi - lo) * row_bytes).copy_(
-                    x_bytes.narrow(0, (start + lo) * row_bytes, (hi - lo) * row_bytes), non_blocking=True)
-                _SIGNAL(1, setup, (weights, peer_base_ptrs, peer, start + lo, offset + lo, hi - lo, staging_weights,
-                                  tail_word + rank * MAX_CHANNELS + piece, stamp + hi - lo), constants, 4)
-        return run
-
-    return [job(*copy) for copy in copies]
+    def move(stream: int, peer: int, piece: int, src_row: int, dst_row: int, rows: int) -> None:
+        peers[peer].narrow(0, staging_x + dst_row * row_bytes, rows * row_bytes).copy_(
+            x_bytes.narrow(0, src_row * row_bytes, rows * row_bytes), non_blocking=True)
+        _SIGNAL(1, setup, (weights, peer_base_ptrs, peer, src_row, dst_row, rows, staging_weights, tail_index + piece,
+                           stamp + rows), constants, 4)
+    return move
 
 
-def _driver_jobs(driver: Any, x: torch.Tensor, topk_weights: torch.Tensor | None,
-                 copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor], staging_x: int,
-                 staging_weights: int, tail_word: int, rank: int, epoch: int, pieces: int
-                 ) -> list[Callable[[], None]]:
-    """``combine_copy_jobs`` through the driver: per piece, the rows' copy, the weights' copy and
-    the tail word written by the stream itself (it fences the copies before the write)."""
+def _driver_piece(driver: Any, x: torch.Tensor, topk_weights: torch.Tensor | None, peers: list[torch.Tensor],
+                  peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int, tail_index: int, stamp: int,
+                  owner: object) -> PieceMover:
+    """Through the driver: the rows' copy, the weights' copy, and the tail word written by the
+    stream itself (it fences the copies before the write)."""
     row_bytes = x.shape[1] * x.element_size()
     x_address = x.data_ptr()
     weight_bytes = topk_weights.shape[1] * 4 if topk_weights is not None else 0
     weights_address = topk_weights.data_ptr() if topk_weights is not None else 0
-    stamp = epoch << 32
+    bases = [peer.data_ptr() for peer in peers]
 
-    def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
-        base = peers[peer].data_ptr()
-        tail = base + (tail_word + rank * MAX_CHANNELS) * 8
-
-        def run() -> None:
-            stream = current_stream()
-            for piece in range(pieces):
-                lo, hi = piece_range(count, piece, pieces)
-                if hi == lo:
-                    continue
-                _check(driver.cuMemcpyDtoDAsync(base + staging_x + (offset + lo) * row_bytes,
-                                                x_address + (start + lo) * row_bytes, (hi - lo) * row_bytes, stream),
-                       "row copy")
-                if weight_bytes:
-                    _check(driver.cuMemcpyDtoDAsync(base + staging_weights + (offset + lo) * weight_bytes,
-                                                    weights_address + (start + lo) * weight_bytes,
-                                                    (hi - lo) * weight_bytes, stream), "weights copy")
-                _check(driver.cuStreamWriteValue64(stream, tail + piece * 8, stamp + hi - lo, 0), "tail write")
-        return run
-
-    return [job(*copy) for copy in copies]
+    def move(stream: int, peer: int, piece: int, src_row: int, dst_row: int, rows: int) -> None:
+        base = bases[peer]
+        _check(driver.cuMemcpyDtoDAsync(base + staging_x + dst_row * row_bytes, x_address + src_row * row_bytes,
+                                        rows * row_bytes, stream), "row copy")
+        if weight_bytes:
+            _check(driver.cuMemcpyDtoDAsync(base + staging_weights + dst_row * weight_bytes,
+                                            weights_address + src_row * weight_bytes, rows * weight_bytes, stream),
+                   "weights copy")
+        _check(driver.cuStreamWriteValue64(stream, base + (tail_index + piece) * 8, stamp + rows, 0), "tail write")
+    return move
 
 
 def combine_copies(counts: list[list[int]], rank: int) -> list[tuple[int, int, int, int]]:
