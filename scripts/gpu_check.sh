@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|compat|shared|host|sweep|fresh]
+#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|llsource|llab|compat|shared|host|sweep|fresh]
 #     normal: normal mode (tests, STRESS=N: N rounds of scripts/dispatch_stress.py per
 #     STRESS_VARIANTS, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench with DeepEP,
 #     low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
@@ -18,7 +18,9 @@
 #     machine with one GPU, the GPU tests at HOST_RANKS ranks (default 1), the host-path probes
 #     (A/B against BASELINE=path when set) and DeepEP's low-latency calls side by side; fresh:
 #     for a machine with one GPU too, the normal-mode host path stage by stage and the
-#     benchmark's normal-mode rows (A/B against BASELINE=path when set).
+#     benchmark's normal-mode rows (A/B against BASELINE=path when set); llsource: where the
+#     low-latency dispatch kernel stalls, by source line (one GPU); llab: the low-latency kernels
+#     A/B against BASELINE, and beside DeepEP at one rank (one GPU).
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -73,6 +75,61 @@ PYEOF
 
 if [ "$MODE" = sweep ]; then
   ll_sweep
+  exit $status
+fi
+
+if [ "$MODE" = llsource ]; then
+  # One GPU is enough: where the low-latency dispatch kernel's warps stall, by source line
+  # (scripts/ncu_hotspots.py), for a warm single launch, a warm send half and its receive half
+  # of scripts/ll_kernel_profile.py. Reports and CSVs end up in one archive.
+  for launch in single:6 send:14 receive:15; do
+    IFS=: read -r name skip <<< "$launch"
+    echo "== ncu source hotspots: low_latency_dispatch_kernel, $name launch"
+    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --set full --import-source yes \
+      -k regex:low_latency_dispatch --launch-skip "$skip" --launch-count 1 -f -o "$OUT/ncu_src_$name" \
+      python3 scripts/ll_kernel_profile.py > "$OUT/ncu_src_$name.log" 2>&1 || { status=1; tail -5 "$OUT/ncu_src_$name.log"; }
+    ncu -i "$OUT/ncu_src_$name.ncu-rep" --page details 2>&1 | grep -E "^    Duration|Registers Per" | head -2
+    python3 scripts/ncu_hotspots.py "$OUT/ncu_src_$name.ncu-rep" --top ${HOT_LINES:-25} 2>&1 | tee "$OUT/hot_$name.log"
+  done
+  (cd "$OUT" && tar czf ncu_src.tgz ncu_src_* hot_* && rm -f ncu_src_*)
+  exit $status
+fi
+
+if [ "$MODE" = llab ]; then
+  # One GPU is enough: the low-latency kernels against the package at BASELINE (default
+  # .baseline), ROUNDS alternating rounds of CUDA-graph replay (host_path_probe), each
+  # dispatch launch's duration under ncu (single launch, send half, receive half), and with
+  # .bench_deps the benchmark at one rank beside DeepEP.
+  if [ -f .bench_deps/build_on_device.sh ]; then
+    (timeout 400 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1;
+     echo "exit $?" >> "$OUT/deepep_build.log") &
+    build=$!
+  fi
+  for round in $(seq "${ROUNDS:-2}"); do
+    for package in "" "${BASELINE:-.baseline}"; do
+      tag=${package:+baseline_}$round
+      PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 150 python3 scripts/host_path_probe.py --only-low-latency \
+        --json "$OUT/ll_$tag.json" > "$OUT/ll_$tag.log" 2>&1 || status=1
+      echo "== round $round ${package:-(this tree)}: $(grep -E "graph_us" "$OUT/ll_$tag.log" | tr -s ' ' | tr '\n' ';')"
+    done
+  done
+  for package in "" "${BASELINE:-.baseline}"; do
+    for launch in single:6 send:14 receive:15; do
+      IFS=: read -r name skip <<< "$launch"
+      PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 100 ncu --clock-control none --section SpeedOfLight \
+        -k regex:low_latency_dispatch --launch-skip "$skip" --launch-count 1 python3 scripts/ll_kernel_profile.py \
+        > "$OUT/ncu_$name${package:+_baseline}.log" 2>&1
+      echo "ncu ${package:-(this tree)} $name: $(grep -E '^ +Duration' "$OUT/ncu_$name${package:+_baseline}.log")"
+    done
+  done
+  if [ -n "${build:-}" ]; then
+    wait "$build"; tail -n 2 "$OUT/deepep_build.log"
+    echo "== low-latency benchmark at one rank beside DeepEP"
+    PYTHONPATH="/tmp/deepep:$PYTHONPATH" timeout 200 python3 -m tritonep.bench --gpu --skip-normal --vs-deepep \
+      --hidden 7168 --ll-tokens 128 --ll-experts 288 --out "$OUT" 2>&1 | grep -v Warning > "$OUT/bench_ll.log"
+    tail -32 "$OUT/bench_ll.log"
+  fi
+  (cd "$OUT" && tar czf llab.tgz ll_* ncu_* && rm -f ll_* ncu_*)
   exit $status
 fi
 

@@ -47,17 +47,18 @@ def _e4m3_bits_exact(values):
 
 
 @triton.jit
-def cast_row(row_ptr, HIDDEN: tl.constexpr, GROUPS_PAD: tl.constexpr, ROUND_SCALE: tl.constexpr,
+def cast_row(row_ptr, present, HIDDEN: tl.constexpr, GROUPS_PAD: tl.constexpr, ROUND_SCALE: tl.constexpr,
              GPU: tl.constexpr):
     """Cast one bf16 row of ``HIDDEN`` channels to e4m3: returns the bytes as uint8
     [GROUPS_PAD, 128] (channel ``128 g + i`` at [g, i]; pad groups hold junk) and the float32
-    scales [GROUPS_PAD], one per 128 channels.
+    scales [GROUPS_PAD], one per 128 channels. Where ``present`` is False nothing is loaded
+    (the row may not exist) and the result is junk.
 
     The row is loaded straight into a [groups, 128] tile, so a group's amax is a reduction over
     the last axis with no reshape (reshapes of whole rows made the compiler shuffle registers
     through shared memory)."""
     columns = tl.arange(0, GROUPS_PAD)[:, None] * 128 + tl.arange(0, 128)[None, :]
-    values = tl.load(row_ptr + columns, mask=columns < HIDDEN, other=0.0).to(tl.float32)
+    values = tl.load(row_ptr + columns, mask=(columns < HIDDEN) & present, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(values), axis=1), 1e-4)
     scales = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     if ROUND_SCALE:

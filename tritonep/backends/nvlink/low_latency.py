@@ -102,6 +102,7 @@ class LowLatencyEngine:
         self.device = device
         self.memory = SymmetricBuffer(group, num_rdma_bytes, device, interpret=INTERPRET)
         self.area = self.memory.data_offset
+        self.my_area = self.memory.local.data_ptr() + self.area   # the kernels' my_area (peer_base_ptrs[rank] + area)
         self.memory.local[self.area: self.area + CONTROL_BYTES].zero_()
         # Kernels that time out write (phase, peer) straight into this pinned host word, so
         # checking it costs no copy and no sync.
@@ -269,7 +270,7 @@ class LowLatencyEngine:
                 recv_stats if recv_stats is not None else packed_count,
                 wait_stats if wait_stats is not None else layout_range,
                 rank_mask if rank_mask is not None else dispatch_mask, dispatch_mask,
-                self.memory.peer_base_ptrs, self.area, slot, regions.dispatch_slot_bytes, self.rank,
+                self.memory.peer_base_ptrs, self.area, self.my_area, slot, regions.dispatch_slot_bytes, self.rank,
                 self.status_address, self.timeout_ns, request.num_max_dispatch_tokens_per_rank,
                 request.num_experts // self.num_ranks)
         flags = (recv_stats is not None, wait_stats is not None, rank_mask is not None)
@@ -345,8 +346,9 @@ class LowLatencyEngine:
                 num_tokens, target, target.stride(0),
                 wait_stats if wait_stats is not None else layout_range,
                 rank_mask if rank_mask is not None else combine_mask, state.dispatch_mask, combine_mask,
-                self.memory.peer_base_ptrs, self.area, slot, regions.combine_offset, regions.combine_slot_bytes,
-                self.rank, self.status_address, self.timeout_ns, T, num_experts // self.num_ranks)
+                self.memory.peer_base_ptrs, self.area, self.my_area, slot, regions.combine_offset,
+                regions.combine_slot_bytes, self.rank, self.status_address, self.timeout_ns, T,
+                num_experts // self.num_ranks)
         key = (T, hidden, num_experts, num_topk, wait_stats is not None, rank_mask is not None, slot)
 
         def constants() -> dict:

@@ -38,7 +38,7 @@ from .sync import (
     fence_system,
     finish_low_latency_launch,
     gave_up,
-    load_acquire,
+    load_own_counter,
     load_rank_mask,
     now_ns,
     rank_masked,
@@ -67,8 +67,8 @@ def low_latency_combine_kernel(
     x_ptr, expert_stride, row_stride, src_info_ptr, topk_slot_ptr, layout_range_ptr,
     topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, out_row_stride, wait_stats_ptr,
     mask_ptr, dispatch_mask_ptr, combine_mask_ptr,
-    peer_base_ptrs, area, slot, combine_offset, slot_bytes, rank, status_address, timeout_ns, num_max_tokens,
-    experts_per_rank,
+    peer_base_ptrs, area, my_area, slot, combine_offset, slot_bytes, rank, status_address, timeout_ns,
+    num_max_tokens, experts_per_rank,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, HIDDEN: tl.constexpr, NUM_TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr,
     DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -78,11 +78,11 @@ def low_latency_combine_kernel(
     int32 words);
     ``out_ptr``: bf16 [N, H]. ``status_address``: pinned host int64 for timeouts. Masks
     (shrink mode): int32 [R] each, this rank's now, its dispatch's, and this combine's (written
-    by the send half)."""
+    by the send half). ``my_area``: ``peer_base_ptrs[rank] + area`` (passed: the first steps'
+    addresses depend on it)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     status_ptr = status_address.to(tl.pointer_type(tl.int64))
-    my_area = tl.load(peer_base_ptrs + rank) + area
     control = my_area.to(tl.pointer_type(tl.int64))
     WORDS: tl.constexpr = HIDDEN // 2
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
@@ -128,7 +128,7 @@ def low_latency_combine_kernel(
                 store_relaxed(flag, call, GPU)
 
     if DO_RECV:
-        call = load_acquire(control + SEQUENCE_RECEIVED + slot, GPU) + 1
+        call = load_own_counter(control + SEQUENCE_RECEIVED + slot) + 1
         received = (my_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.bfloat16))
         if HAS_WAIT_STATS:
             for expert in range(pid, experts_per_rank * NUM_RANKS, num_programs):

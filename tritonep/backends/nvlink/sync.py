@@ -93,6 +93,14 @@ def load_acquire(pointer, GPU: tl.constexpr):
 
 
 @triton.jit
+def load_own_counter(pointer):
+    """A 64-bit counter that only this GPU's earlier launches wrote (stream order makes it
+    visible): a volatile load. An acquire load would also invalidate the SM's L1, under the
+    feet of the other program resident there."""
+    return tl.load(pointer, volatile=True)
+
+
+@triton.jit
 def now_ns(GPU: tl.constexpr):
     if GPU:
         return tl.inline_asm_elementwise(
@@ -287,7 +295,7 @@ def begin_low_latency_send(control, sequence_sent, freed, sent_use, slot, masked
     holds that use, the previous one unless masks skipped the peer). Ranks in ``masked`` are
     not waited for: this send writes nothing into them. In shrink mode a rank that does not
     answer in time joins them (``wait_all_at_least``)."""
-    call = load_acquire(control + sequence_sent + slot, GPU) + 1
+    call = load_own_counter(control + sequence_sent + slot) + 1
     ranks = tl.arange(0, RANKS_PAD)
     words = slot * MAX_RANKS + tl.minimum(ranks, NUM_RANKS - 1)
     last_written = tl.load(control + sent_use + words)
@@ -312,12 +320,12 @@ def finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked,
     if last_program_done(done_word):
         ranks = tl.arange(0, RANKS_PAD)
         if DO_SEND:
-            sent = load_acquire(control + sequence_sent + slot, GPU) + 1
+            sent = load_own_counter(control + sequence_sent + slot) + 1
             tl.store(control + sequence_sent + slot, sent)
             tl.store(control + sent_use + slot * MAX_RANKS + ranks, sent + tl.zeros([RANKS_PAD], tl.int64),
                      mask=(ranks < NUM_RANKS) & (masked == 0))
         if DO_RECV:
-            received = load_acquire(control + sequence_received + slot, GPU) + 1
+            received = load_own_counter(control + sequence_received + slot) + 1
             tl.store(control + sequence_received + slot, received)
             fence_system(GPU)
             for source in range(0, NUM_RANKS):
