@@ -8,7 +8,9 @@ reserved with a remote atomic and rows keep token order. Each program also stage
 ``(use << 32) | count`` for experts p, p+P, ... in this rank's control block; after a system
 fence, the last program to finish its rows (``last_program_done``) raises every expert's flag
 at its rank with one vector of relaxed stores. Casting each row once (not once per expert)
-cut the send's instructions; no program waits for another.
+cut the send's instructions; no program waits for another. A token is first read, cast and
+addressed (``_read_token``), then stored (``_write_token``), so no load waits behind a store;
+a program's first token is read before it waits for the slot.
 
 Receive (``DO_RECV``): program p takes (local expert e, source s) items p, p+P, ... It waits
 for the R flags of e at once, and copies s's messages into the packed outputs right after
