@@ -73,6 +73,30 @@ json.dump(merged, open(os.path.join(sys.argv[1], "ll_sweep.json"), "w"), indent=
 PYEOF
 }
 
+# DeepEP V1 for the side-by-side rows (--vs-deepep), when .bench_deps holds its sources (see
+# ../shared/deepep/README.md): it builds on the CPUs in the background while the GPU work runs;
+# wait_deepep_build waits for it (false when there is none).
+start_deepep_build() {
+  [ -f .bench_deps/build_on_device.sh ] || return 0
+  (timeout 400 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1;
+   echo "exit $?" >> "$OUT/deepep_build.log") &
+  build=$!
+}
+wait_deepep_build() {
+  [ -n "${build:-}" ] || return 1
+  wait "$build"; tail -n 2 "$OUT/deepep_build.log"
+}
+# The low-latency benchmark at one rank beside DeepEP, DeepEP's decode shape (after start_deepep_build).
+bench_ll_beside_deepep() {
+  wait_deepep_build || return 0
+  echo "== low-latency benchmark at one rank beside DeepEP"
+  PYTHONPATH="/tmp/deepep:$PYTHONPATH" timeout 200 python3 -m tritonep.bench --gpu --skip-normal --vs-deepep \
+    --hidden 7168 --ll-tokens 128 --ll-experts 288 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bench_ll.log" | tail -32
+}
+# The warm low-latency dispatch launches of scripts/ll_kernel_profile.py that llsource and llab
+# profile, name:launches to skip (8 single launches, then send/receive pairs).
+DISPATCH_LAUNCHES="single:6 send:14 receive:15"
+
 if [ "$MODE" = sweep ]; then
   ll_sweep
   exit $status
@@ -82,7 +106,7 @@ if [ "$MODE" = llsource ]; then
   # One GPU is enough: where the low-latency dispatch kernel's warps stall, by source line
   # (scripts/ncu_hotspots.py), for a warm single launch, a warm send half and its receive half
   # of scripts/ll_kernel_profile.py. Reports and CSVs end up in one archive.
-  for launch in single:6 send:14 receive:15; do
+  for launch in $DISPATCH_LAUNCHES; do
     IFS=: read -r name skip <<< "$launch"
     echo "== ncu source hotspots: low_latency_dispatch_kernel, $name launch"
     timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --set full --import-source yes \
@@ -100,11 +124,7 @@ if [ "$MODE" = llab ]; then
   # .baseline), ROUNDS alternating rounds of CUDA-graph replay (host_path_probe), each
   # dispatch launch's duration under ncu (single launch, send half, receive half), and with
   # .bench_deps the benchmark at one rank beside DeepEP.
-  if [ -f .bench_deps/build_on_device.sh ]; then
-    (timeout 400 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1;
-     echo "exit $?" >> "$OUT/deepep_build.log") &
-    build=$!
-  fi
+  start_deepep_build
   for round in $(seq "${ROUNDS:-2}"); do
     for package in "" "${BASELINE:-.baseline}"; do
       tag=${package:+baseline_}$round
@@ -114,7 +134,7 @@ if [ "$MODE" = llab ]; then
     done
   done
   for package in "" "${BASELINE:-.baseline}"; do
-    for launch in single:6 send:14 receive:15; do
+    for launch in $DISPATCH_LAUNCHES; do
       IFS=: read -r name skip <<< "$launch"
       PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 100 ncu --clock-control none --section SpeedOfLight \
         -k regex:low_latency_dispatch --launch-skip "$skip" --launch-count 1 python3 scripts/ll_kernel_profile.py \
@@ -122,13 +142,7 @@ if [ "$MODE" = llab ]; then
       echo "ncu ${package:-(this tree)} $name: $(grep -E '^ +Duration' "$OUT/ncu_$name${package:+_baseline}.log")"
     done
   done
-  if [ -n "${build:-}" ]; then
-    wait "$build"; tail -n 2 "$OUT/deepep_build.log"
-    echo "== low-latency benchmark at one rank beside DeepEP"
-    PYTHONPATH="/tmp/deepep:$PYTHONPATH" timeout 200 python3 -m tritonep.bench --gpu --skip-normal --vs-deepep \
-      --hidden 7168 --ll-tokens 128 --ll-experts 288 --out "$OUT" 2>&1 | grep -v Warning > "$OUT/bench_ll.log"
-    tail -32 "$OUT/bench_ll.log"
-  fi
+  bench_ll_beside_deepep
   (cd "$OUT" && tar czf llab.tgz ll_* ncu_* && rm -f ll_* ncu_*)
   exit $status
 fi
@@ -138,11 +152,7 @@ if [ "$MODE" = llprofile ]; then
   # scripts/ll_kernel_profile.py: two single-launch dispatches, three send/receive pairs, a
   # combine), the host path with cProfile, the LL_SWEEP shapes, and DeepEP's low-latency calls
   # at one rank in the same run when .bench_deps holds its sources (built during the rest).
-  if [ -f .bench_deps/build_on_device.sh ]; then
-    (timeout 400 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1;
-     echo "exit $?" >> "$OUT/deepep_build.log") &
-    build=$!
-  fi
+  start_deepep_build
   for kernel in dispatch combine; do
     [ $kernel = dispatch ] && launches="--launch-skip 6 --launch-count 8" || launches="--launch-skip 4 --launch-count 1"
     echo "== ncu: low_latency_${kernel}_kernel ($launches)"
@@ -159,12 +169,7 @@ if [ "$MODE" = llprofile ]; then
     > "$OUT/host_path.log" 2>&1 || status=1
   grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|graph_us|tottime|\.py:" | head -${HOST_LINES:-70}
   [ -z "${LL_SWEEP:-}" ] || ll_sweep
-  if [ -n "${build:-}" ]; then
-    wait "$build"; tail -n 2 "$OUT/deepep_build.log"
-    echo "== low-latency benchmark at one rank beside DeepEP"
-    PYTHONPATH="/tmp/deepep:$PYTHONPATH" timeout 200 python3 -m tritonep.bench --gpu --skip-normal --vs-deepep \
-      --hidden 7168 --ll-tokens 128 --ll-experts 288 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/bench_ll.log" | tail -30
-  fi
+  bench_ll_beside_deepep
   exit $status
 fi
 
@@ -208,14 +213,8 @@ if [ "$MODE" = host ]; then
   fi
   echo "== launch cost, layer by layer"
   timeout 120 python3 scripts/launch_cost_probe.py --json "$OUT/launch_cost.json" 2>&1 | grep -v Warning | tail -16
-  if [ -f .bench_deps/build_on_device.sh ]; then
-    echo "== building DeepEP V1; low-latency benchmark side by side"
-    timeout 300 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1 \
-      && export PYTHONPATH="/tmp/deepep:$PYTHONPATH" || echo "DeepEP build failed: see deepep_build.log"
-    timeout 200 python3 -m tritonep.bench --gpu --skip-normal --vs-deepep --hidden 7168 --ll-tokens 128 \
-      --ll-experts 288 --out "$OUT" 2>&1 | grep -v Warning \
-      | tee "$OUT/bench_ll.log" | tail -30
-  fi
+  start_deepep_build   # built here, not during the probes: they time the host
+  bench_ll_beside_deepep
   if [ -n "${HOST_NVSHMEM:-}" ]; then
     echo "== NVSHMEM, two ranks on one GPU"
     timeout 120 python3 scripts/nvshmem_shared_gpu_probe.py --ranks 2 > "$OUT/nvshmem_probe.log" 2>&1
@@ -269,11 +268,7 @@ fi
 if [ "$MODE" = normal ]; then
   # Normal mode only, in one call: DeepEP builds on the CPUs while the GPU tests run, then
   # the profile of the normal-mode calls and the benchmark side by side with DeepEP.
-  if [ -f .bench_deps/build_on_device.sh ]; then
-    (timeout 400 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1;
-     echo "exit $?" >> "$OUT/deepep_build.log") &
-    build=$!
-  fi
+  start_deepep_build
   echo "== normal-mode GPU tests, under DeepEP's torch defaults (cuda device, bf16 dtype)"
   TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
     timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -rf ${NORMAL_TESTS:-tests/test_nvlink.py} \
@@ -294,10 +289,7 @@ if [ "$MODE" = normal ]; then
     timeout 200 python3 scripts/host_path_probe.py --profile --json "$OUT/host_path.json" > "$OUT/host_path.log" 2>&1
     grep -v Warning "$OUT/host_path.log" | grep -E "^==|host_us|gpu_us|tottime|\.py:" | head -${HOST_LINES:-80}
   fi
-  if [ -n "${build:-}" ]; then
-    wait "$build"; tail -2 "$OUT/deepep_build.log"
-    export PYTHONPATH="/tmp/deepep:$PYTHONPATH"
-  fi
+  wait_deepep_build && export PYTHONPATH="/tmp/deepep:$PYTHONPATH"
   echo "== benchmark (normal mode)"
   timeout ${BENCH_TIMEOUT:-200} python3 -m tritonep.bench --vs-deepep ${BENCH_ARGS:---skip-low-latency} \
     --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30
@@ -336,10 +328,9 @@ fi
 
 # DeepEP V1 side by side (--vs-deepep) when its sources were carried in .bench_deps (see
 # ../shared/deepep/README.md: mkdir -p .bench_deps && cp ../shared/deepep/* .bench_deps/).
-if [ -f .bench_deps/build_on_device.sh ]; then
-  echo "== building DeepEP V1 for --vs-deepep"
-  timeout 300 bash .bench_deps/build_on_device.sh .bench_deps/deepep-v1-*-src.tar.gz > "$OUT/deepep_build.log" 2>&1 \
-    && export PYTHONPATH="/tmp/deepep:$PYTHONPATH" || echo "DeepEP build failed: see deepep_build.log"
+start_deepep_build
+if wait_deepep_build; then
+  export PYTHONPATH="/tmp/deepep:$PYTHONPATH"
   bench_args+=(--vs-deepep)
 fi
 echo "== benchmark"
