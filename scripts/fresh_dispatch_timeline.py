@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 import tritonep as deep_ep
 from tritonep.backends.nvlink import backend as nvlink_backend
-from tritonep.bench_low_latency import _timed_us  # idle GPU at the start event, L2 flushed, slowest rank
+from tritonep.bench_low_latency import _one, _timed_us  # idle GPU at the start event, L2 flushed, slowest rank
+from tritonep.bench_timing import slowest
 from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
 
@@ -126,6 +127,10 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
     recv_x, _, _, _, handle, _ = fresh()
     report = {"ranks": R, "fresh_gpu_us": _timed_us(group, fresh, calls),
               "cached_gpu_us": _timed_us(group, lambda: buffer.dispatch(x, handle=handle), calls)}
+    # The same difference from interleaved pairs (fresh, then cached): the host's speed drifts
+    # over seconds on these machines, which moves two separate medians far more.
+    pairs = [_one(group, fresh) - _one(group, lambda: buffer.dispatch(x, handle=handle)) for _ in range(calls)]
+    report["fresh_minus_cached_pairs_us"] = slowest(group, statistics.median(pairs))
 
     # Host stages of the fresh dispatch: wrap the backend's steps on this instance only.
     stamps: list = []
@@ -139,7 +144,9 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
                        ("wait_counts", "_wait_counts")):
         if hasattr(backend, attr):   # this tree's steps (the probe also runs on older packages)
             setattr(backend, attr, _stamped(stamps, name, getattr(backend, attr)))
-    backend._receive_streams.fork = _stamped(stamps, "fork", backend._receive_streams.fork)
+    # The side stream's fork: of the receive half (older trees), of the send half (this tree).
+    side = getattr(backend, "_send_stream", None) or backend._receive_streams
+    side.fork = _stamped(stamps, "fork", side.fork)
     per_stage: dict[str, list[float]] = {}
     try:
         for _ in range(calls):
@@ -157,7 +164,7 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
             setattr(module, attr, saved[name])
         for attr in ("_copy_counts", "_read_counts", "_wait_counts"):   # the class's methods again
             backend.__dict__.pop(attr, None)
-        del backend._receive_streams.fork
+        del side.fork
     report["host_stages_us"] = {k: round(statistics.median(v), 1) for k, v in per_stage.items()
                                 if len(v) == calls}
     calls_by_kind = {"fresh": fresh, "cached": lambda: buffer.dispatch(x, handle=handle),
@@ -183,8 +190,9 @@ def main() -> None:
     with RankPool(args.ranks, use_gpu=True, timeout=300) as pool:
         reports = pool.run(run, args.calls)
     for rank, report in enumerate(reports):
-        print(f"== rank {rank}: fresh {report['fresh_gpu_us']:.1f} us, cached {report['cached_gpu_us']:.1f} us "
-              f"(GPU, idle at start, slowest rank)")
+        print(f"== rank {rank}: fresh {report['fresh_gpu_us']:.1f} us, cached {report['cached_gpu_us']:.1f} us, "
+              f"fresh - cached in pairs {report['fresh_minus_cached_pairs_us']:.1f} us (GPU, idle at start, "
+              f"slowest rank)")
         for stage, us in report["host_stages_us"].items():
             print(f"  {us:8.1f} us  {stage}")
         for kind, table in report["inclusive_us"].items():

@@ -25,6 +25,7 @@ set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+ABS_OUT=$(cd "$OUT" && pwd)
 # Never enable NVLink multicast on the shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITONEP_TIMEOUT_S=${TRITONEP_TIMEOUT_S:-20}
@@ -228,6 +229,10 @@ if [ "$MODE" = fresh ]; then
   # and the benchmark's normal-mode rows at the machine's rank count; with BASELINE=path both
   # again for the package there, ROUNDS times alternating (A/B in one run: this machine's host
   # speed drifts within minutes). Logs, JSON and PNGs end up in one archive.
+  # The first benchmark process after the machine has idled ran slow even on rows no change
+  # touched (2026-11-24-h200x1-s5): one untimed short run goes first.
+  timeout 120 python3 -m tritonep.bench --gpu --ranks 1 --tokens 4096 --hidden 7168 --skip-low-latency --iters 5 \
+    --out "$ABS_OUT/warmup" > /dev/null 2>&1; rm -rf "$ABS_OUT/warmup"
   for round in $(seq "${ROUNDS:-1}"); do
     for package in "" ${BASELINE:-}; do
       tag=${package:+_baseline}_$round
@@ -236,9 +241,12 @@ if [ "$MODE" = fresh ]; then
         --json "$OUT/timeline$tag.json" 2>&1 | grep -v Warn > "$OUT/timeline$tag.log"
       head -${TIMELINE_LINES:-30} "$OUT/timeline$tag.log"
       echo "== round $round, benchmark, normal mode${package:+ (baseline $package)}"
-      PYTHONPATH="${package:+$package:}$PYTHONPATH" timeout 240 python3 -m tritonep.bench --gpu \
-        --ranks "$(nvidia-smi -L | wc -l)" --tokens 4096 --hidden 7168 --skip-low-latency --out "$OUT/bench$tag" \
-        2>&1 | grep -v Warn > "$OUT/bench$tag.log"
+      # python -m puts the working directory first on sys.path, ahead of PYTHONPATH: the
+      # baseline's bench runs from the baseline's folder, or it would import this tree.
+      (cd "${package:-.}" && PYTHONPATH="${package:+$PWD:}$PYTHONPATH" timeout 240 python3 -m tritonep.bench --gpu \
+        --ranks "$(nvidia-smi -L | wc -l)" --tokens 4096 --hidden 7168 --skip-low-latency --out "$ABS_OUT/bench$tag" \
+        2>&1 | grep -v Warn > "$ABS_OUT/bench$tag.log"
+      python3 -c "import tritonep; print('bench package:', tritonep.__file__)" >> "$ABS_OUT/bench$tag.log")
       grep -E "^tritonep|^all_to_all_single path: (cached|combine)" "$OUT/bench$tag.log"
     done
   done

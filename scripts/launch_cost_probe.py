@@ -1,7 +1,9 @@
 """Where a low-latency call's host time goes, layer by layer, at one rank: the CUDA launch
-itself (an empty Triton kernel with as many arguments, launched the three ways), then the
-dispatch and combine through the engine, the backend and the Buffer (the Buffer's repeats
-take the fast path; ``general_path_*``: the same calls with it off). CPU microseconds per call,
+itself (an empty Triton kernel with as many arguments, launched five ways: Triton's binder,
+FastLauncher, Triton's compiled launcher alone, the driver through cuda-bindings and through
+ctypes), then the dispatch and combine through the engine, the backend and the Buffer (the
+Buffer's repeats take the fast path; ``general_path_*``: the same calls with it off;
+``*_after_profiler``: again after one torch.profiler session). CPU microseconds per call,
 median of rounds of 20 calls (synchronised between rounds, so the GPU never backs the host up).
 
     PYTHONPATH=. python scripts/launch_cost_probe.py [--json out.json]
@@ -58,6 +60,36 @@ def _cuda_bindings_launcher(setup: object, pointers: list, ints: list, stream: i
     return launch
 
 
+def _ctypes_launcher(setup: object, pointers: list, ints: list, stream: int) -> object:
+    """The same compiled kernel launched by calling the driver's ``cuLaunchKernel`` through
+    ctypes: one 8-byte slot per parameter (Triton's order: the pointers, the i32s, its two
+    scratch pointers), made once; each call writes the three arguments that change (p0, p1,
+    a1), as a repeated launch would, then launches."""
+    import ctypes
+
+    values = [p.data_ptr() for p in pointers] + list(ints) + [0, 0]
+    slots = (ctypes.c_uint64 * len(values))(*values)
+    base = ctypes.addressof(slots)
+    params = (ctypes.c_void_p * len(values))(*[base + 8 * i for i in range(len(values))])
+    launch_kernel = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    launch_kernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    launch_kernel.restype = ctypes.c_int
+    num_warps, _, shared = setup.metadata
+    function, block, p0, p1 = setup.function, 32 * num_warps, pointers[0].data_ptr(), pointers[1].data_ptr()
+
+    def launch() -> None:
+        slots[0] = p0
+        slots[1] = p1
+        slots[15] = 1
+        launch_kernel(function, 132, 1, 1, block, 1, 1, shared, stream, params, None)
+
+    if launch_kernel(function, 132, 1, 1, block, 1, 1, shared, stream, params, None) != 0:
+        raise RuntimeError("cuLaunchKernel through ctypes failed")
+    torch.cuda.synchronize()
+    launch.keep_alive = (slots, params)   # type: ignore[attr-defined]
+    return launch
+
+
 def run(group: dist.ProcessGroup) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     report: dict = {}
@@ -76,6 +108,10 @@ def run(group: dist.ProcessGroup) -> dict:
         report["cuda_bindings_launch"] = host_us(_cuda_bindings_launcher(setup, pointers, ints, stream))
     except Exception as error:   # noqa: BLE001 (a measurement, not a dependency)
         print(f"cuda-bindings launch not measured: {error!r}")
+    try:
+        report["ctypes_launch_3_args_written"] = host_us(_ctypes_launcher(setup, pointers, ints, stream))
+    except Exception as error:   # noqa: BLE001 (a measurement, not a dependency)
+        print(f"ctypes launch not measured: {error!r}")
 
     T, H, K, E = 128, 7168, 8, 288
     buffer = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E),
@@ -108,6 +144,18 @@ def run(group: dist.ProcessGroup) -> dict:
         report["general_path_buffer_combine"] = host_us(
             lambda: buffer.low_latency_combine(y, topk_idx, weights, handle))
         engine.fast_dispatch, engine.fast_combine = fast_paths
+        buffer._fast_dispatch, buffer._fast_combine = fast_paths
+    # The same calls again after one torch.profiler session with CUDA activity (the bench
+    # profiles kernels): does the profiler leave every later launch dearer?
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]):
+        for _ in range(10):
+            buffer.low_latency_combine(y, topk_idx, weights, handle)
+        torch.cuda.synchronize()
+    report["torch_add__after_profiler"] = host_us(lambda: pointers[0].add_(1))
+    report["compiled_launch_only_after_profiler"] = host_us(lambda: setup(stream))
+    report["buffer_dispatch_after_profiler"] = host_us(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E))
+    report["buffer_combine_after_profiler"] = host_us(lambda: buffer.low_latency_combine(y, topk_idx, weights, handle))
     buffer.destroy()
     return {name: round(us, 2) for name, us in report.items()}
 

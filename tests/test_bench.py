@@ -17,6 +17,7 @@ def test_bench_on_cpu_ranks_writes_every_path(tmp_path) -> None:
     assert {"layout_us", "dispatch_us", "cached_dispatch_us", "combine_us", "recv_bytes"} <= normal.keys()
     assert all(normal[key] > 0 for key in ("layout_us", "dispatch_us", "cached_dispatch_us", "combine_us"))
     assert report["bare_all_to_all_us"] > 0
+    assert report["low_latency"]["torch_add_host_back_to_back_us"] > 0   # the host's yardstick
     low_latency = report["low_latency"]["collective"]
     for key in ("dispatch_us", "combine_us", "pair_us", "dispatch_send_us", "dispatch_recv_us",
                 "dispatch_host_us", "combine_host_us", "dispatch_host_back_to_back_us", "combine_host_back_to_back_us"):

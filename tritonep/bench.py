@@ -5,7 +5,8 @@
 
 On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing:
 * tritonep (NVLink backend): layout, dispatch with its count exchange, cached dispatch in bf16
-  and fp8, and combine, at ``--num-sms`` programs;
+  and fp8, and combine, at ``--num-sms`` programs; also what the count exchange adds, as the
+  median over interleaved pairs of (fresh - cached) dispatch;
 * the all_to_all_single path: tritonep's collective backend on NCCL (layout in torch, count
   exchange, permute, ``all_to_all_single``, un-permute), and the bare ``all_to_all_single``
   of the already-permuted rows;
@@ -43,34 +44,48 @@ from tritonep.bench_timing import flush_l2, load_deepep, slowest
 from tritonep.launch import RankPool
 
 
-def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median microseconds of ``fn`` over ``iters`` calls, all ranks starting together, L2
-    flushed before each call on GPUs."""
+def _call_times_us(group: dist.ProcessGroup, fns: list[Callable[[], object]], iters: int,
+                   warmup: int = 3) -> list[list[float]]:
+    """Microseconds of each call of each ``fn``, the fns called in turn ``iters`` times, all
+    ranks starting together, L2 flushed before each call on GPUs (this rank's times)."""
     gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     align = torch.zeros(1, dtype=torch.float32, device="cuda" if gpu else "cpu")
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list] = [[] for _ in fns]
     for _ in range(iters):
-        if gpu:
-            flush_l2()
-        dist.all_reduce(align, group=group)
-        if gpu:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
+        for fn, fn_times in zip(fns, times):
+            if gpu:
+                flush_l2()
+            dist.all_reduce(align, group=group)
+            if gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                fn_times.append((start, end))
+            else:
+                begin = time.perf_counter()
+                fn()
+                fn_times.append((time.perf_counter() - begin) * 1e6)
     if gpu:
         torch.cuda.synchronize()
-        values = [s.elapsed_time(e) * 1e3 for s, e in times]
-    else:
-        values = [t * 1e6 for t in times]
-    return slowest(group, statistics.median(values))
+        times = [[s.elapsed_time(e) * 1e3 for s, e in fn_times] for fn_times in times]
+    return times
+
+
+def _median_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median microseconds of ``fn`` over ``iters`` calls, all ranks starting together, L2
+    flushed before each call on GPUs; the slowest rank's."""
+    return slowest(group, statistics.median(_call_times_us(group, [fn], iters, warmup)[0]))
+
+
+def _extra_us(group: dist.ProcessGroup, fn: Callable[[], object], base: Callable[[], object], iters: int) -> float:
+    """Median over pairs of (``fn``'s time - ``base``'s), the two called in turn: a difference
+    that the host's speed drifting over seconds moves far less than two separate medians."""
+    fn_times, base_times = _call_times_us(group, [fn, base], iters)
+    return slowest(group, statistics.median(a - b for a, b in zip(fn_times, base_times)))
 
 
 def _pipelined_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) -> float:
@@ -136,7 +151,10 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
             group, lambda: buffer.dispatch(x, handle=handle, config=config), iters)
         result["combine_pipelined_us"] = _pipelined_us(
             group, lambda: buffer.combine(recv_x, handle, config=combine_config), iters)
-    if fp8:
+    if fp8:   # the main measurement of tritonep and DeepEP (the sweeps and the all_to_all path skip these)
+        result["fresh_minus_cached_dispatch_us"] = _extra_us(
+            group, lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout),
+            lambda: buffer.dispatch(x, handle=handle, config=config), iters)
         result["cached_dispatch_fp8_us"] = _median_us(group, lambda: buffer.dispatch(x_fp8, handle=handle,
                                                                                      config=config), iters)
     recv = torch.tensor([recv_bytes], dtype=torch.float64, device=x.device)
@@ -297,8 +315,10 @@ def print_table(report: dict) -> None:
         m = report[key]
         rows += [(f"{name}: layout", m["layout_us"], None),
                  (f"{name}: dispatch (with counts)", m["dispatch_us"], m["recv_bytes"]),
-                 (f"{name}: cached dispatch bf16", m["cached_dispatch_us"], m["recv_bytes"]),
-                 (f"{name}: combine", m["combine_us"], m["recv_bytes"])]
+                 (f"{name}: cached dispatch bf16", m["cached_dispatch_us"], m["recv_bytes"])]
+        if "fresh_minus_cached_dispatch_us" in m:
+            rows.append((f"{name}: fresh - cached, pairs", m["fresh_minus_cached_dispatch_us"], None))
+        rows.append((f"{name}: combine", m["combine_us"], m["recv_bytes"]))
         if "combine_sm_only_us" in m:
             rows.append((f"{name}: combine, SMs push (no copy engine)", m["combine_sm_only_us"], m["recv_bytes"]))
         if "cached_dispatch_pipelined_us" in m:

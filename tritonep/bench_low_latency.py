@@ -14,7 +14,8 @@ times, with CUDA events and L2 flushed before each timed call:
 * ``gpu``: GPU time per call from torch.profiler (every kernel the call launches, summed);
 * ``host``: CPU time the call takes to return (no synchronisation; the GPU idle before it);
 * ``host back to back``: CPU time per call of calls made back to back, as a decode loop makes
-  them (``bench_timing.back_to_back_host_us``; the host-path probes' method).
+  them (``bench_timing.back_to_back_host_us``; the host-path probes' method), beside one
+  torch ``add_`` timed the same way as a yardstick of the host's speed.
 
 Times are medians over ``--iters``. "GB/s" is the bytes every rank receives (fp8 rows with
 their scales for dispatch, bf16 rows for combine, each (token, expert) pair counted) over
@@ -183,6 +184,10 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[
     received_pairs = float(pairs) / num_ranks
     report = {"tokens": T, "hidden": H, "experts": E, "topk": K,
               "dispatch_bytes": received_pairs * (H + H // 128 * 4), "combine_bytes": received_pairs * H * 2}
+    # The host's speed, for reading the host rows: one torch op (``add_``) timed the same way.
+    # It differs by up to 1.5x between machines of the same kind (docs/benchmarks).
+    yardstick = torch.zeros(16, dtype=torch.float32, device=device)
+    report["torch_add_host_back_to_back_us"] = slowest(group, back_to_back_host_us(lambda: yardstick.add_(1)))
     size = tritonep.Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E)
     for backend in backends:
         os.environ["TRITONEP_BACKEND"] = backend
@@ -219,6 +224,9 @@ def print_table(report: dict) -> None:
     print(f"\nlow latency: {report['tokens']} tokens/rank, hidden {report['hidden']}, top-{report['topk']} of "
           f"{report['experts']} experts, fp8 dispatch, bf16 combine")
     print(f"{'path':<52}{'time (us)':>12}{'GB/s':>10}")
+    if "torch_add_host_back_to_back_us" in report:
+        print(f"{'host yardstick: torch add_ per call, back to back':<52}"
+              f"{report['torch_add_host_back_to_back_us']:>12.1f}")
     names = {"nvlink": "tritonep", "deepep": "DeepEP V1", "collective": "all_to_all_single path"}
     for backend, name in names.items():
         m = report.get(backend, {})

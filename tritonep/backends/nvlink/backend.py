@@ -139,7 +139,7 @@ class NvlinkBackend(Backend):
         self._mailbox_host = self._mailbox.numpy()
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
         self._peer_streams = PeerStreams(self._device)
-        self._receive_streams = PeerStreams(self._device)
+        self._send_stream = PeerStreams(self._device)
         # The copy-engine combine's reducers spin while one-program signal kernels on side
         # streams must still find an SM: leave a few free.
         self._max_reducers = MAX_CHANNELS if INTERPRET else \
@@ -277,10 +277,12 @@ class NvlinkBackend(Backend):
         return shape
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
-        """Count exchange (fresh dispatch), then two kernels: the send half on the current stream,
+        """Count exchange (fresh dispatch), then two kernels: the send half on a side stream,
         launched before the host reads the counts back, so rows move while the host sizes and
         allocates the outputs; the receive half (own rows, then arrived rows into the outputs)
-        on a side stream that waits for the exchange but not for the send half."""
+        on the current stream, which the send half does not hold up. Once the counts are on
+        the host, only the allocations and the receive launch stand between them and the GPU:
+        the side stream's fork happens earlier, while the GPU still exchanges the counts."""
         self.check_status()
         x, scales = request.x, request.x_scales
         shape = self._dispatch_shape(request)
@@ -319,9 +321,6 @@ class NvlinkBackend(Backend):
                 self._remember_padding(request.num_worst_tokens)
             else:
                 reads_counts = True
-        # The point of the current stream after which the receive half may run: after the
-        # exchange, not after the send half queued next.
-        receive_after = self._receive_streams.mark()
         self.dispatch_epoch += 1
         words = x.view(torch.int32) if x.dim() == 2 else x
         scale_view = scales.view(torch.int32) if scales is not None else words
@@ -333,17 +332,19 @@ class NvlinkBackend(Backend):
                 self.dispatch_released, shape.experts_per_rank, self.status, self.timeout_ns)
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
-            if R > 1:
-                _DISPATCH(shape.senders, shape.send_setup, inputs + shape.unused_outputs + rest, shape.send_constants,
-                          t.warps)
+            _DISPATCH(shape.senders, shape.send_setup, inputs + shape.unused_outputs + rest, shape.send_constants,
+                      t.warps)
 
-        if not reads_counts or t.send_before_sync:
-            send()
+        # The send half runs on the side stream after the exchange (after everything queued on
+        # the current stream so far), beside the receive half; one rank sends nothing.
+        sends = R > 1
+        if sends and (not reads_counts or t.send_before_sync):
+            self._send_stream.fork([send])
         if reads_counts:
             host = self._wait_counts(shape)
             num_out_rows = host[R * (R - 1) + self.rank]
-            if not t.send_before_sync:
-                send()
+            if sends and not t.send_before_sync:
+                self._send_stream.fork([send])
         device = self._device
         recv_x = torch.empty(num_out_rows, x.shape[1], dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(num_out_rows, shape.scale_words, dtype=scales.dtype,
@@ -355,16 +356,13 @@ class NvlinkBackend(Backend):
                    recv_idx if has_topk else self._placeholder(torch.int64),
                    recv_weights if has_topk else self._placeholder(torch.float32), recv_src, num_out_rows)
 
-        def receive() -> None:
-            if request.num_worst_tokens > 0:   # rows past the received ones stay empty
-                recv_src.fill_(-1)
-                if has_topk:
-                    recv_idx.fill_(-1)
-                    recv_weights.zero_()
-            _DISPATCH(shape.receivers, shape.receive_setup, inputs + outputs + rest, shape.receive_constants, t.warps)
-
-        self._receive_streams.fork([receive], after=receive_after)
-        self._receive_streams.join()
+        if request.num_worst_tokens > 0:   # rows past the received ones stay empty
+            recv_src.fill_(-1)
+            if has_topk:
+                recv_idx.fill_(-1)
+                recv_weights.zero_()
+        _DISPATCH(shape.receivers, shape.receive_setup, inputs + outputs + rest, shape.receive_constants, t.warps)
+        self._send_stream.join()   # later work on the current stream (and the allocator) waits for the send
         self.dispatch_released += shape.receivers
         if reads_counts:   # host bookkeeping, after the launch
             plan.counts = count_rows_from_prefix(host[: R * R], R)

@@ -19,6 +19,7 @@ they are. Under the interpreter every call is a plain ``kernel[grid](...)``.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -100,6 +101,10 @@ class FastLauncher:
         self.kernel = kernel
         self.names = kernel.arg_names
         self.changing = None if changing is None else tuple(self.names.index(name) for name in changing)
+        # Picks the changing arguments out of ``args`` in one C call (two or more positions:
+        # itemgetter then returns a tuple).
+        self._pick = operator.itemgetter(*self.changing) if self.changing is not None and len(self.changing) > 1 \
+            else None
         self.setups: dict[Any, _Setup] = {}
 
     def __call__(self, grid: int, setup: Any, args: tuple, constants: dict[str, Any],
@@ -115,8 +120,8 @@ class FastLauncher:
             return None
         stream = current_stream()
         positions = self.changing if self.changing is not None else range(len(args))
-        changing = [value.data_ptr() if isinstance(value, torch.Tensor) else value
-                    for value in map(args.__getitem__, positions)]
+        picked = self._pick(args) if self._pick is not None else map(args.__getitem__, positions)
+        changing = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in picked]
         if setup is None:
             setup = (grid, num_warps, *constants.values())
         key = (setup, _kinds(changing))

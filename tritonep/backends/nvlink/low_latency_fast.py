@@ -140,28 +140,30 @@ class FastDispatch:
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_stats: torch.Tensor | None,
                  wait_stats: torch.Tensor | None) -> tuple | None:
-        """Buffer.low_latency_dispatch's return value, or None: take the general path."""
-        engine, device_index = self.engine, self.device_index
+        """Buffer.low_latency_dispatch's return value, or None: take the general path. (Written
+        for few Python operations, as FastCombine's.)"""
+        engine, device = self.engine, self.device_index
         order = engine.dispatch_order
         slot = order.sent & 1
         first, receive = self.slots.launches[slot]
         if (first is None or (self.hook and receive is None) or slot in order.pending or engine.status_view[0]
-                or not (_fits(x, _BF16, device_index) and _fits(topk_idx, _INT64, device_index)
-                        and _stats_fit(recv_stats, _INT32, self.local_shape, device_index)
-                        and _stats_fit(wait_stats, _INT64, self.rank_shape, device_index))):
+                or x.dtype is not _BF16 or not x.is_contiguous() or x.get_device() != device
+                or topk_idx.dtype is not _INT64 or not topk_idx.is_contiguous() or topk_idx.get_device() != device
+                or not _stats_fit(recv_stats, _INT32, self.local_shape, device)
+                or not _stats_fit(wait_stats, _INT64, self.rank_shape, device)):
             return None
-        changes = [(self.x_arg, x.data_ptr()), (self.topk_arg, topk_idx.data_ptr())]
-        if recv_stats is not None:
-            changes.append((self.recv_stats_arg, recv_stats.data_ptr()))
-        if wait_stats is not None:
-            changes.append((self.wait_stats_arg, wait_stats.data_ptr()))
-        if not aligned(*[address for _, address in changes]):
+        x_address, topk_address = x.data_ptr(), topk_idx.data_ptr()
+        recv_stats_address = 0 if recv_stats is None else recv_stats.data_ptr()
+        wait_stats_address = 0 if wait_stats is None else wait_stats.data_ptr()
+        if (x_address | topk_address | recv_stats_address | wait_stats_address) & 15:
             return None
-        changes.append((self.tokens_arg, x.shape[0]))
         call = order.sent = order.sent + 1
         raw = first.args
-        for index, value in changes:
-            raw[index] = value
+        raw[self.x_arg], raw[self.topk_arg], raw[self.tokens_arg] = x_address, topk_address, x.shape[0]
+        if recv_stats is not None:
+            raw[self.recv_stats_arg] = recv_stats_address
+        if wait_stats is not None:
+            raw[self.wait_stats_arg] = wait_stats_address
         first(current_stream())
         if not self.hook:   # every such call of a slot returns the same, received: made once
             result = self.results[slot]
@@ -175,6 +177,11 @@ class FastDispatch:
         def received() -> None:
             state.received = True
 
+        changes = [(self.x_arg, x_address), (self.topk_arg, topk_address), (self.tokens_arg, x.shape[0])]
+        if recv_stats is not None:
+            changes.append((self.recv_stats_arg, recv_stats_address))
+        if wait_stats is not None:
+            changes.append((self.wait_stats_arg, wait_stats_address))
         return packed, packed_count, handle, _NO_EVENT, _receive_hook(
             engine, order, call, slot, receive, tuple(changes), received, (x, topk_idx, recv_stats, wait_stats))
 
@@ -199,40 +206,48 @@ class FastCombine:
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
                  out: torch.Tensor | None, wait_stats: torch.Tensor | None) -> tuple | None:
-        """Buffer.low_latency_combine's return value, or None: take the general path."""
-        engine, device_index = self.engine, self.device_index
+        """Buffer.low_latency_combine's return value, or None: take the general path. (Written
+        for few Python operations: this runs twice per MoE layer per decode step.)"""
+        engine, device = self.engine, self.device_index
         order = engine.combine_order
         slot = order.sent & 1
         first, receive = self.slots.launches[slot]
         state = handle.backend_state
         if (first is None or (self.hook and receive is None) or slot in order.pending or engine.status_view[0]
                 or handle.buffer_id != self.buffer_id or not state.received
-                or not (x.shape == self.x_shape and _fits(x, _BF16, device_index)
-                        and _fits(topk_idx, _INT64, device_index)
-                        and type(topk_weights) is torch.Tensor and topk_weights.shape == topk_idx.shape
-                        and _fits(topk_weights, _FLOAT32, device_index)
-                        and (out is None or (type(out) is torch.Tensor and out.shape == (topk_idx.shape[0], self.hidden)
-                                             and _fits(out, _BF16, device_index)))
-                        and _stats_fit(wait_stats, _INT64, self.rank_shape, device_index))):
+                or x.dtype is not _BF16 or x.shape != self.x_shape or not x.is_contiguous() or x.get_device() != device
+                or topk_idx.dtype is not _INT64 or not topk_idx.is_contiguous() or topk_idx.get_device() != device
+                or type(topk_weights) is not torch.Tensor or topk_weights.dtype is not _FLOAT32
+                or topk_weights.shape != topk_idx.shape or not topk_weights.is_contiguous()
+                or topk_weights.get_device() != device
+                or not (out is None or (type(out) is torch.Tensor and out.shape == (topk_idx.shape[0], self.hidden)
+                                        and _fits(out, _BF16, device)))
+                or not _stats_fit(wait_stats, _INT64, self.rank_shape, device)):
             return None
-        if out is None:
-            out = self.slots.outputs[slot]   # the engine's combine_output for this slot
+        # The handle's tensors and the engine's outputs are the engine's own (16-byte aligned);
+        # only the caller's may not be.
         src_info_address, topk_slot_address, layout_address, dispatch_mask_address = state.addresses
         source = self.zero_copy_addresses[engine.combine_buffer_index] if self.zero_copy else x.data_ptr()
-        addresses = (source, src_info_address, topk_slot_address, layout_address, topk_idx.data_ptr(),
-                     topk_weights.data_ptr(), out.data_ptr(), dispatch_mask_address,
-                     wait_stats.data_ptr() if wait_stats is not None else layout_address)
-        if not aligned(*addresses):
+        topk_address, weights_address = topk_idx.data_ptr(), topk_weights.data_ptr()
+        out_address = self.slots.outputs[slot].data_ptr() if out is None else out.data_ptr()
+        stats_address = layout_address if wait_stats is None else wait_stats.data_ptr()
+        if (source | topk_address | weights_address | out_address | stats_address) & 15:
             return None
-        addresses += (topk_idx.shape[0],)
         engine.combine_buffer_index ^= 1
         call = order.sent = order.sent + 1
         raw = first.args
-        for index, value in zip(self.args, addresses):
-            raw[index] = value
+        x_arg, src_info_arg, topk_slot_arg, layout_arg, topk_arg, weights_arg, out_arg, mask_arg, stats_arg, \
+            tokens_arg = self.args
+        raw[x_arg], raw[src_info_arg], raw[topk_slot_arg], raw[layout_arg] = \
+            source, src_info_address, topk_slot_address, layout_address
+        raw[topk_arg], raw[weights_arg], raw[out_arg], raw[mask_arg], raw[stats_arg], raw[tokens_arg] = \
+            topk_address, weights_address, out_address, dispatch_mask_address, stats_address, topk_idx.shape[0]
         first(current_stream())
+        if out is None:
+            out = self.slots.outputs[slot]   # the engine's combine_output for this slot
         if not self.hook:
             return out, _NO_EVENT, None
         order.pending[slot] = call
-        return out, _NO_EVENT, _receive_hook(engine, order, call, slot, receive, tuple(zip(self.args, addresses)),
-                                             None, (x, topk_idx, topk_weights, out, wait_stats))
+        changes = tuple((index, raw[index]) for index in self.args)
+        return out, _NO_EVENT, _receive_hook(engine, order, call, slot, receive, changes, None,
+                                             (x, topk_idx, topk_weights, out, wait_stats))
