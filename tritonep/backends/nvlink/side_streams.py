@@ -1,5 +1,5 @@
 """Side streams: the work of a call that runs beside its kernels (copy-engine copies, one stream
-per peer; the receive half of dispatch).
+per peer; the send half of dispatch).
 
 A ``cudaMemcpyAsync`` between two GPUs' memory runs on a copy engine: no SM is involved, and
 one copy streams at close to the link's speed (390 GB/s per direction measured on H200 NV18,
