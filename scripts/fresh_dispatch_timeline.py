@@ -125,11 +125,15 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
                                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
     recv_x, _, _, _, handle, _ = fresh()
+
+    def cached():
+        return buffer.dispatch(x, handle=handle)
+
     report = {"ranks": R, "fresh_gpu_us": _timed_us(group, fresh, calls),
-              "cached_gpu_us": _timed_us(group, lambda: buffer.dispatch(x, handle=handle), calls)}
+              "cached_gpu_us": _timed_us(group, cached, calls)}
     # The same difference from interleaved pairs (fresh, then cached): the host's speed drifts
     # over seconds on these machines, which moves two separate medians far more.
-    pairs = [_one(group, fresh) - _one(group, lambda: buffer.dispatch(x, handle=handle)) for _ in range(calls)]
+    pairs = [_one(group, fresh) - _one(group, cached) for _ in range(calls)]
     report["fresh_minus_cached_pairs_us"] = slowest(group, statistics.median(pairs))
 
     # Host stages of the fresh dispatch: wrap the backend's steps on this instance only.
@@ -167,7 +171,7 @@ def run(group: dist.ProcessGroup, calls: int) -> dict:
         del side.fork
     report["host_stages_us"] = {k: round(statistics.median(v), 1) for k, v in per_stage.items()
                                 if len(v) == calls}
-    calls_by_kind = {"fresh": fresh, "cached": lambda: buffer.dispatch(x, handle=handle),
+    calls_by_kind = {"fresh": fresh, "cached": cached,
                      "combine": lambda: buffer.combine(recv_x, handle),
                      "layout": lambda: buffer.get_dispatch_layout(topk_idx, E)}
     report["inclusive_us"] = {kind: _inclusive_us(group, fn, calls) for kind, fn in calls_by_kind.items()}

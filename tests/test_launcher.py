@@ -114,3 +114,22 @@ def test_programs_per_multiprocessor(registers: int, warps: int, shared: int, ex
     """The occupancy arithmetic against Nsight Compute's readings (docs/benchmarks/2026-11-24-h200x1,
     ncu details of runs 3 and 5) and CUDA's documented limits."""
     assert launcher.programs_per_multiprocessor(registers, warps, shared) == expected
+
+
+def test_constants_factory_is_called_only_for_a_new_setup(kernel) -> None:
+    """``constants`` may be a function: a repeated launch of a known setup never calls it."""
+    fast = launcher.FastLauncher(kernel, changing=("x_ptr", "n"))
+    made = []
+
+    def constants() -> dict:
+        made.append(1)
+        return {"BLOCK": 128}
+
+    x, out = torch.zeros(64), torch.zeros(64)
+    fast(8, "setup", (x, 32, out), constants, 4)
+    fast(8, "setup", (torch.zeros(64), 48, out), constants, 4)
+    assert len(made) == 1
+    assert kernel.launches[0] == ("bind", 8, (x, 32, out), {"BLOCK": 128})
+    assert kernel.launches[-1][0] == "fast" and kernel.launches[-1][3][-1] == 128   # the constexpr in the raw list
+    fast(8, "other", (x, 32, out), constants, 4)
+    assert len(made) == 2

@@ -134,27 +134,34 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
     recv_bytes = recv_x.numel() * 2
     x_fp8 = utils.per_token_cast_to_fp8(x)
     iters = args.iters
+
+    def layout_call() -> object:
+        return buffer.get_dispatch_layout(topk_idx, args.experts)
+
+    def fresh() -> object:
+        return buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout)
+
+    def cached() -> object:
+        return buffer.dispatch(x, handle=handle, config=config)
+
+    def combine() -> object:
+        return buffer.combine(recv_x, handle, config=combine_config)
+
     if only == "combine":
-        return {"combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=combine_config), iters)}
+        return {"combine_us": _median_us(group, combine, iters)}
     result = {
         "recv_rows": recv_x.shape[0],
-        "layout_us": _median_us(group, lambda: buffer.get_dispatch_layout(topk_idx, args.experts), iters),
-        "dispatch_us": _median_us(group, lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
-                                                                 config=config, **layout), iters),
-        "cached_dispatch_us": _median_us(group, lambda: buffer.dispatch(x, handle=handle, config=config), iters),
-        "combine_us": _median_us(group, lambda: buffer.combine(recv_x, handle, config=combine_config), iters),
+        "layout_us": _median_us(group, layout_call, iters),
+        "dispatch_us": _median_us(group, fresh, iters),
+        "cached_dispatch_us": _median_us(group, cached, iters),
+        "combine_us": _median_us(group, combine, iters),
     }
     if x.is_cuda:
-        result["layout_pipelined_us"] = _pipelined_us(
-            group, lambda: buffer.get_dispatch_layout(topk_idx, args.experts), iters)
-        result["cached_dispatch_pipelined_us"] = _pipelined_us(
-            group, lambda: buffer.dispatch(x, handle=handle, config=config), iters)
-        result["combine_pipelined_us"] = _pipelined_us(
-            group, lambda: buffer.combine(recv_x, handle, config=combine_config), iters)
+        result["layout_pipelined_us"] = _pipelined_us(group, layout_call, iters)
+        result["cached_dispatch_pipelined_us"] = _pipelined_us(group, cached, iters)
+        result["combine_pipelined_us"] = _pipelined_us(group, combine, iters)
     if fp8:   # the main measurement of tritonep and DeepEP (the sweeps and the all_to_all path skip these)
-        result["fresh_minus_cached_dispatch_us"] = _extra_us(
-            group, lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout),
-            lambda: buffer.dispatch(x, handle=handle, config=config), iters)
+        result["fresh_minus_cached_dispatch_us"] = _extra_us(group, fresh, cached, iters)
         result["cached_dispatch_fp8_us"] = _median_us(group, lambda: buffer.dispatch(x_fp8, handle=handle,
                                                                                      config=config), iters)
     recv = torch.tensor([recv_bytes], dtype=torch.float64, device=x.device)

@@ -20,6 +20,7 @@ they are. Under the interpreter every call is a plain ``kernel[grid](...)``.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -107,16 +108,17 @@ class FastLauncher:
             else None
         self.setups: dict[Any, _Setup] = {}
 
-    def __call__(self, grid: int, setup: Any, args: tuple, constants: dict[str, Any],
-                 num_warps: int) -> _Setup | None:
+    def __call__(self, grid: int, setup: Any, args: tuple,
+                 constants: dict[str, Any] | Callable[[], dict[str, Any]], num_warps: int) -> _Setup | None:
         """``args``: the non-constexpr arguments in order (tensors or ints); ``constants``: the
-        constexprs by name; ``setup``: hashable, equal only for calls whose non-changing arguments,
-        constants, grid and num_warps are equal, or None to derive it from grid, num_warps and
-        constants (right when every argument is changing). Returns the setup it launched (its
-        ``args`` may be rewritten and the launch repeated: ``low_latency_fast``), None under the
-        interpreter."""
+        constexprs by name, or (with a ``setup``) a function that makes them, called only when
+        the setup is new, so a repeated launch builds no dict; ``setup``: hashable, equal only
+        for calls whose non-changing arguments, constants, grid and num_warps are equal, or None
+        to derive it from grid, num_warps and constants (right when every argument is
+        changing). Returns the setup it launched (its ``args`` may be rewritten and the launch
+        repeated: ``low_latency_fast``), None under the interpreter."""
         if INTERPRET:
-            self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
+            self.kernel[(grid,)](*args, **(constants() if callable(constants) else constants), num_warps=num_warps)
             return None
         stream = current_stream()
         positions = self.changing if self.changing is not None else range(len(args))
@@ -133,6 +135,8 @@ class FastLauncher:
             known(stream)
             return known
         # First call of this setup and specialisation: Triton binds, compiles if needed, launches.
+        if callable(constants):
+            constants = constants()
         compiled = self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
         raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
         known = self.setups[key] = _Setup(compiled, grid, raw + [constants[name] for name in self.names[len(args):]])

@@ -124,10 +124,6 @@ _NOTIFY = FastLauncher(notify_dispatch_kernel, changing=(
     "experts_per_rank"))
 
 
-# The constexprs of each launch setup (the ``owner`` key stands for the memory they describe).
-_CONSTANTS: dict[tuple, dict] = {}
-
-
 def mailbox_words(num_ranks: int) -> int:
     """Size of the host mailbox ``notify_dispatch`` writes: header, then the largest result."""
     return MAILBOX_HEADER + num_ranks * num_ranks + MAX_LOCAL_EXPERTS + 2
@@ -173,16 +169,16 @@ def notify_dispatch(
         if exchange else None
     block_t = min(1024, triton.next_power_of_2(max(num_tokens, 1)))
     experts_pad = triton.next_power_of_2(max(experts_per_rank, 1))
-    setup = (owner, block_t, experts_pad, exchange)
-    constants = _CONSTANTS.get(setup)
-    if constants is None:   # built once per setup: a repeat's launch reads none of them
+
+    def constants() -> dict:   # made only when the setup is new (FastLauncher)
         layout = memory.signals
-        constants = _CONSTANTS[setup] = dict(
+        return dict(
             NOTIFY_FLAG_WORD=layout.notify_flag, PAYLOAD_BYTE_OFFSET=layout.notify_payload * 8,
             PAYLOAD_WORDS=layout.payload_words, EXPERT_WORDS=MAX_LOCAL_EXPERTS, SIGNATURE=SIGNATURE_WORDS,
             NUM_RANKS=num_ranks, RANKS_PAD=triton.next_power_of_2(num_ranks), EXPERTS_PAD=experts_pad,
             BLOCK_T=block_t, EXCHANGE=exchange, GPU=GPU_KERNELS)
-    _NOTIFY(1, setup, (
+
+    _NOTIFY(1, (owner, block_t, experts_pad, exchange), (
         is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, *signature, invalid_ids,
         token_list, token_list.stride(0), send_pos, result if exchange else send_pos, mailbox,
         memory.peer_base_ptrs, memory.rank, notify_epoch, max(experts_per_rank, 1), status, timeout_ns,
