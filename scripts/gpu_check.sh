@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|llsource|llab|compat|shared|host|sweep|fresh]
+#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|llsource|llab|compat|shared|host|sweep|fresh|cehost]
 #     normal: normal mode (tests, STRESS=N: N rounds of scripts/dispatch_stress.py per
 #     STRESS_VARIANTS, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench with DeepEP,
 #     low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
@@ -20,7 +20,8 @@
 #     for a machine with one GPU too, the normal-mode host path stage by stage and the
 #     benchmark's normal-mode rows (A/B against BASELINE=path when set); llsource: where the
 #     low-latency dispatch kernel stalls, by source line (one GPU); llab: the low-latency kernels
-#     A/B against BASELINE, and beside DeepEP at one rank (one GPU).
+#     A/B against BASELINE, and beside DeepEP at one rank (one GPU); cehost: the copy-engine
+#     combine's host operations one by one (scripts/copy_engine_host_probe.py, CE_RANKS).
 set -uo pipefail
 MODE=${1:-full}
 OUT=${OUT:-out}
@@ -302,6 +303,18 @@ if [ "$MODE" = normal ]; then
   timeout ${BENCH_TIMEOUT:-200} python3 -m tritonep.bench --vs-deepep ${BENCH_ARGS:---skip-low-latency} \
     --out "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  exit $status
+fi
+
+if [ "$MODE" = cehost ]; then
+  # The copy-engine combine's host operations one by one (scripts/copy_engine_host_probe.py),
+  # at CE_RANKS ranks (default "1 2 4"; ranks beyond the GPUs share them, only rank 0 times).
+  for ranks in ${CE_RANKS:-1 2 4}; do
+    echo "== copy-engine host probe, $ranks rank(s)"
+    timeout 200 python3 scripts/copy_engine_host_probe.py --ranks "$ranks" --json "$OUT/ce_host_$ranks.json" \
+      2>&1 | grep -v Warning | tee "$OUT/ce_host_$ranks.log" | tail -40
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
   exit $status
 fi
 

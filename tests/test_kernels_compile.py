@@ -15,7 +15,10 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from tritonep.backends.nvlink.combine_copy_engine import combine_piece_signal_kernel  # noqa: E402
+from tritonep.backends.nvlink.combine_copy_engine import (  # noqa: E402
+    combine_piece_signal_kernel,
+    combine_weights_kernel,
+)
 from tritonep.backends.nvlink.combine_kernel import combine_kernel  # noqa: E402
 from tritonep.backends.nvlink.dispatch_kernel import dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.layout_kernel import dispatch_layout_kernel  # noqa: E402
@@ -104,13 +107,17 @@ def test_combine_kernel_compiles(has_weights: bool, has_bias: bool, senders: int
         num_warps=16)
 
 
-@pytest.mark.parametrize("has_weights", [True, False])
-def test_combine_piece_signal_kernel_compiles(has_weights: bool) -> None:
+def test_combine_piece_signal_kernel_compiles() -> None:
+    compile_for_hopper(combine_piece_signal_kernel,
+                       dict(peer_base_ptrs=I64, peer=1, tail_index=420, value=(9 << 32) + 250), {})
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 8])
+def test_combine_weights_kernel_compiles(num_ranks: int) -> None:
     compile_for_hopper(
-        combine_piece_signal_kernel,
-        dict(weights_ptr=F32 if has_weights else BF16, peer_base_ptrs=I64, peer=1, src_row=300, dst_row=17,
-             rows=250, staging_weights=(1 << 30) + (1 << 27), tail_index=420, value=(9 << 32) + 250),
-        dict(HAS_WEIGHTS=has_weights, NUM_TOPK=8, BLOCK=1024))
+        combine_weights_kernel,
+        dict(weights_ptr=F32, prefix_ptr=I32, peer_base_ptrs=I64, staging_weights=(1 << 30) + (1 << 27), rank=1),
+        dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), NUM_TOPK=8, BLOCK=1024))
 
 
 # The low-latency kernels in each mode: fused (one launch), send half, receive half.

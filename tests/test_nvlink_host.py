@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from tritonep import routing  # noqa: E402
-from tritonep.backends.nvlink.combine_copy_engine import combine_copies, piece_range  # noqa: E402
+from tritonep.backends.nvlink.combine_copy_engine import (  # noqa: E402
+    MAX_PIECES,
+    combine_copies,
+    piece_range,
+    pieces_per_peer,
+)
 from tritonep.backends.nvlink.side_streams import PeerStreams  # noqa: E402
 from tritonep.backends.nvlink.tuning import Tuning, tile_rows, with_changes  # noqa: E402
 
@@ -56,6 +61,14 @@ def test_pieces_cover_a_block_once_in_order(count: int, pieces: int) -> None:
     # The reducers find piece c of a block at rows [c * ceil(count / pieces), ...) (rows.channel_range).
     size = -(-count // pieces)
     assert all(lo == min(piece * size, count) for piece, (lo, _) in enumerate(ranges))
+
+
+def test_pieces_per_peer_keep_the_host_issue_bounded() -> None:
+    """By default 2 pieces per peer while the peers are few, 1 from EP6 on; never more than
+    MAX_PIECES in all (each costs the host a copy and a stream write); a set value is kept."""
+    assert [pieces_per_peer(r, 0) for r in (1, 2, 3, 4, 5, 6, 8)] == [2, 2, 2, 2, 2, 1, 1]
+    assert all(pieces_per_peer(r, 0) * (r - 1) <= MAX_PIECES for r in range(2, 10))
+    assert pieces_per_peer(8, 3) == 3 and pieces_per_peer(2, 1) == 1
 
 
 def test_tile_rows_keep_about_128_kb_per_tile() -> None:

@@ -23,7 +23,13 @@ from ...config import Config
 from ...handles import DispatchHandle, LowLatencyHandle
 from ...routing import count_rows_from_prefix, round_up_counts
 from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
-from .combine_copy_engine import combine_copies, combine_copy_jobs, driver_memory_operations
+from .combine_copy_engine import (
+    combine_copies,
+    combine_copy_jobs,
+    driver_memory_operations,
+    pieces_per_peer,
+    push_combine_weights,
+)
 from .combine_kernel import combine_kernel
 from .dispatch_kernel import dispatch_kernel
 from .launcher import FastLauncher
@@ -446,13 +452,16 @@ class NvlinkBackend(Backend):
         if plan.counts is not None and t.copy_engine_combine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
-            pieces = max(1, min(t.combine_pieces, MAX_CHANNELS))
+            pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)
             if plan.combine_copies is None:
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
+            if topk_weights is not None and R > 1:   # before the fork: the tail words publish them
+                push_combine_weights(topk_weights, handle.rank_prefix_matrix, self.memory.peer_base_ptrs, regions[1],
+                                     self.rank, R, self._launch_key)
             self._peer_streams.fork(combine_copy_jobs(
-                x, topk_weights, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
-                regions[1], self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces,
-                self._launch_key, self._driver if t.combine_driver else None))
+                x, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
+                self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces, self._launch_key,
+                self._driver if t.combine_driver else None))
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
             _COMBINE(reducers, setup + (0, reducers, pieces), args,
                      dict(constants, NUM_SENDERS=0, NUM_REDUCERS=reducers, NUM_CHANNELS=pieces), t.warps)

@@ -7,21 +7,27 @@ the counts (every dispatch that read them back) the block needs no gather, so ea
 crosses NVLink as ``cudaMemcpyAsync`` calls into the peer's symmetric memory: the copy engines
 carry the bulk bytes at link speed and the SMs are left to reduce.
 
-The block to each peer goes in ``chunks`` pieces, in token order, on that peer's side stream
-(``side_streams.PeerStreams``). After each piece a one-program kernel copies the piece's top-k
-weights (a few bytes per row) and publishes ``(epoch << 32) | rows`` into the peer's tail word
-for (this rank, piece): exactly what an SM sender of ``combine_kernel`` publishes for a
-channel, with pieces as channels. So the reduction is ``combine_kernel`` itself with no sender
-programs: its reducers wait per stage of tokens for the pieces that hold the stage's rows, and
-take the stages interleaved (stage i on program i % P), so that every program follows the
-front of arriving pieces and the reduction overlaps the copies instead of trailing them.
+The block to each peer goes in ``pieces`` pieces, in token order, on that peer's side stream
+(``side_streams.PeerStreams``). After each piece the stream publishes ``(epoch << 32) | rows``
+in the peer's tail word for (this rank, piece): exactly what an SM sender of
+``combine_kernel`` publishes for a channel, with pieces as channels. So the reduction is
+``combine_kernel`` itself with no sender programs: its reducers wait per stage of tokens for
+the pieces that hold the stage's rows, and take the stages interleaved (stage i on program
+i % P), so that every program follows the front of arriving pieces and the reduction overlaps
+the copies instead of trailing them. The top-k weights (a few bytes per row) go first, for all
+peers in one small kernel on the caller's stream (``push_combine_weights``); the side streams
+start after it, so every tail word is written after the weights it publishes.
 
-Host cost: a combine enqueues two to three operations per piece and peer, so at EP8 its host
-path grows with the rank count. With cuda-bindings installed (and the GPU supporting stream
-memory operations) a piece is two driver calls: ``cuMemcpyDtoDAsync`` of the rows (and one of
-the weights), then ``cuStreamWriteValue64`` of the tail word, which the driver orders after
-the copies with a memory barrier; no kernel. Otherwise it is torch's ``copy_`` and the
-one-program signal kernel, same semantics (``Tuning.combine_driver=False`` chooses it).
+Host cost: each operation on a side stream costs the host microseconds, and an EP8 combine has
+7 peers. Measured on an H200 host where a torch ``add_`` costs 10 us
+(``scripts/copy_engine_host_probe.py``): a ``cuMemcpyDtoDAsync`` 10-12 us (through
+cuda-bindings, ctypes or ``cuMemcpyBatchAsync`` alike), a ``cuStreamWriteValue64`` 2.5-3 us,
+a side stream's fork and join 8 us. With cuda-bindings installed (and the GPU supporting
+stream memory operations) a piece is those two driver calls, the tail word written by the
+stream itself, which the driver orders after the copy with a memory barrier. Otherwise it is
+torch's ``copy_`` and a one-program signal kernel, same semantics (``Tuning.combine_driver=
+False`` chooses it). ``pieces_per_peer`` caps the pieces so that the host's issue stays well
+under the copies' own time at every rank count.
 
 Staging reuse: the reduction's last program waits until every peer's reducers finished the
 call (``combine_kernel.release_staging``), and the next combine's copies start only after that
@@ -39,28 +45,78 @@ import triton.language as tl
 
 from .launcher import FastLauncher, current_stream
 from .memory import MAX_CHANNELS
-from .sync import publish
+from .sync import GPU_KERNELS, fence_system, publish
 
 
-@triton.jit(do_not_specialize=["peer", "src_row", "dst_row", "rows", "tail_index", "value"])
-def combine_piece_signal_kernel(weights_ptr, peer_base_ptrs, peer, src_row, dst_row, rows, staging_weights,
-                                tail_index, value, HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr,
-                                BLOCK: tl.constexpr):
-    """After a piece's rows were copied (stream order): copy its weights, then publish it."""
+@triton.jit(do_not_specialize=["peer", "tail_index", "value"])
+def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
+    """After a piece's rows were copied (stream order): publish it in the peer's tail word."""
     peer_base = tl.load(peer_base_ptrs + peer)
-    if HAS_WEIGHTS:
-        src = weights_ptr + src_row.to(tl.int64) * NUM_TOPK
-        dst = (peer_base + staging_weights).to(tl.pointer_type(tl.float32)) + dst_row.to(tl.int64) * NUM_TOPK
-        for e0 in range(0, rows * NUM_TOPK, BLOCK):
-            elements = e0 + tl.arange(0, BLOCK)
-            mask = elements < rows * NUM_TOPK
-            tl.store(dst + elements, tl.load(src + elements, mask=mask), mask=mask)
     publish(peer_base.to(tl.pointer_type(tl.int64)) + tail_index, value)
 
 
 # Per launch only these change; ``peer_base_ptrs`` is fixed per backend (the caller's ``owner``).
-_SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=(
-    "weights_ptr", "peer", "src_row", "dst_row", "rows", "tail_index", "value"))
+_SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_index", "value"))
+
+
+@triton.jit
+def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weights, rank,
+                           NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
+                           BLOCK: tl.constexpr, GPU: tl.constexpr):
+    """Program p pushes the top-k weights of the rows this rank returns to peer
+    (rank + 1 + p) % R into that peer's combine staging, at the rows' staging positions.
+
+    The block's place follows from ``rank_prefix_matrix`` (prefix[s][d]: rows rank d received
+    from ranks 0..s): in our ``x`` the peer's rows start at prefix[peer - 1][rank]; in the
+    peer's staging they follow the rows it got back from lower expert ranks, the sum over
+    e < rank of what it sent to e. The same arithmetic as ``combine_copies`` on the host.
+    """
+    peer = (rank + 1 + tl.program_id(0)) % NUM_RANKS
+    ranks = tl.arange(0, RANKS_PAD)
+    valid = ranks < NUM_RANKS
+    received = tl.load(prefix_ptr + ranks * NUM_RANKS + rank, mask=valid, other=0)   # prefix[s][rank]
+    end = tl.sum(tl.where(ranks == peer, received, 0))
+    start = tl.sum(tl.where(ranks == peer - 1, received, 0))
+    sent = tl.load(prefix_ptr + peer * NUM_RANKS + ranks, mask=valid, other=0)        # prefix[peer][e]
+    sent -= tl.load(prefix_ptr + (peer - 1) * NUM_RANKS + ranks, mask=valid & (peer > 0), other=0)
+    offset = tl.sum(tl.where(ranks < rank, sent, 0))
+    peer_base = tl.load(peer_base_ptrs + peer)
+    src = weights_ptr + start.to(tl.int64) * NUM_TOPK
+    dst = (peer_base + staging_weights).to(tl.pointer_type(tl.float32)) + offset.to(tl.int64) * NUM_TOPK
+    total = (end - start) * NUM_TOPK
+    for e0 in range(0, total, BLOCK):
+        elements = e0 + tl.arange(0, BLOCK)
+        mask = elements < total
+        tl.store(dst + elements, tl.load(src + elements, mask=mask), mask=mask)
+    fence_system(GPU)   # the weights reach the peer before anything the streams do after this kernel
+
+
+_WEIGHTS = FastLauncher(combine_weights_kernel, changing=("weights_ptr", "prefix_ptr"))
+
+# Pieces in all (over the peers) that a combine's host issue may cost by default: 8 pieces are
+# about 110 us of host on the slow hosts measured (module docstring), a third of an EP8 combine.
+MAX_PIECES = 8
+
+
+def pieces_per_peer(num_ranks: int, requested: int) -> int:
+    """Pieces per peer: ``requested`` if set (> 0), else 2 while the peers are few and 1 from
+    EP6 on (EP8: 7 pieces). A piece lets the reduction start earlier, but costs the host a copy
+    and a stream write; 2 measured as fast as 4 and faster than 8 at EP2."""
+    if requested > 0:
+        return requested
+    return max(1, min(2, MAX_PIECES // max(num_ranks - 1, 1)))
+
+
+def push_combine_weights(topk_weights: torch.Tensor, rank_prefix_matrix: torch.Tensor, peer_base_ptrs: torch.Tensor,
+                         staging_weights: int, rank: int, num_ranks: int, owner: object) -> None:
+    """Launch ``combine_weights_kernel`` on the current stream: every peer's top-k weights, one
+    program per peer. ``owner``: a key that stands for ``peer_base_ptrs``, ``rank`` and
+    ``num_ranks`` (equal keys, equal values; the backend's launch key)."""
+    num_topk = topk_weights.shape[1]
+    _WEIGHTS(num_ranks - 1, (owner, staging_weights, num_topk),
+             (topk_weights, rank_prefix_matrix, peer_base_ptrs, staging_weights, rank),
+             lambda: dict(NUM_RANKS=num_ranks, RANKS_PAD=1 << (num_ranks - 1).bit_length(), NUM_TOPK=num_topk,
+                          BLOCK=1024, GPU=GPU_KERNELS), 4)
 
 
 def driver_memory_operations(device: torch.device) -> Any:
@@ -92,19 +148,19 @@ def piece_range(count: int, piece: int, pieces: int) -> tuple[int, int]:
     return lo, min(lo + size, count)
 
 
-def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
-                      peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int,
-                      tail_word: int, rank: int, epoch: int, pieces: int, owner: object = None,
-                      driver: Any = None) -> list[Callable[[], None]]:
-    """One job per peer: its block of ``x`` in ``pieces`` copies, each followed by its signal.
+def combine_copy_jobs(x: torch.Tensor, copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor],
+                      peer_base_ptrs: torch.Tensor, staging_x: int, tail_word: int, rank: int, epoch: int,
+                      pieces: int, owner: object, driver: Any = None) -> list[Callable[[], None]]:
+    """One job per peer: its block of ``x`` in ``pieces`` copies, each followed by its tail word
+    (the weights went before, ``push_combine_weights``).
 
     ``copies`` lists ``(peer, first row in x, rows, first row in the peer's staging)``.
-    ``owner``: a key that stands for ``peer_base_ptrs`` (equal keys, equal tensors), or None.
+    ``owner``: a key that stands for ``peer_base_ptrs`` (equal keys, equal tensors).
     ``driver``: from ``driver_memory_operations``, or None for torch's copies and the kernel.
     """
     make = _driver_piece if driver is not None else _torch_piece
-    move_piece = make(driver, x, topk_weights, peers, peer_base_ptrs, staging_x, staging_weights,
-                      tail_word + rank * MAX_CHANNELS, epoch << 32, owner)
+    move_piece = make(driver, x, peers, peer_base_ptrs, staging_x, tail_word + rank * MAX_CHANNELS, epoch << 32,
+                      owner)
 
     def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
         def run() -> None:
@@ -119,49 +175,36 @@ def combine_copy_jobs(x: torch.Tensor, topk_weights: torch.Tensor | None, copies
 
 
 # A piece mover: ``(stream, peer, piece, first row in x, first row in the peer's staging, rows)``
-# copies the piece's rows and top-k weights into the peer's staging, then publishes
-# ``stamp + rows`` in the peer's tail word ``tail_index + piece`` for (this rank, piece).
+# copies the piece's rows into the peer's staging, then publishes ``stamp + rows`` in the peer's
+# tail word ``tail_index + piece`` for (this rank, piece).
 PieceMover = Callable[[int, int, int, int, int, int], None]
 
 
-def _torch_piece(driver: Any, x: torch.Tensor, topk_weights: torch.Tensor | None, peers: list[torch.Tensor],
-                 peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int, tail_index: int, stamp: int,
-                 owner: object) -> PieceMover:
-    """torch's copy of the rows, then the one-program signal kernel (weights and tail word)."""
+def _torch_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
+                 staging_x: int, tail_index: int, stamp: int, owner: object) -> PieceMover:
+    """torch's copy of the rows, then the one-program signal kernel."""
     row_bytes = x.shape[1] * x.element_size()
     x_bytes = x.view(torch.uint8).view(-1)
-    num_topk = topk_weights.shape[1] if topk_weights is not None else 1
-    weights = topk_weights if topk_weights is not None else x
-    constants = dict(HAS_WEIGHTS=topk_weights is not None, NUM_TOPK=num_topk, BLOCK=1024)
-    setup = None if owner is None else (owner, staging_weights, topk_weights is not None, num_topk)
 
     def move(stream: int, peer: int, piece: int, src_row: int, dst_row: int, rows: int) -> None:
         peers[peer].narrow(0, staging_x + dst_row * row_bytes, rows * row_bytes).copy_(
             x_bytes.narrow(0, src_row * row_bytes, rows * row_bytes), non_blocking=True)
-        _SIGNAL(1, setup, (weights, peer_base_ptrs, peer, src_row, dst_row, rows, staging_weights, tail_index + piece,
-                           stamp + rows), constants, 4)
+        _SIGNAL(1, owner, (peer_base_ptrs, peer, tail_index + piece, stamp + rows), {}, 1)
     return move
 
 
-def _driver_piece(driver: Any, x: torch.Tensor, topk_weights: torch.Tensor | None, peers: list[torch.Tensor],
-                  peer_base_ptrs: torch.Tensor, staging_x: int, staging_weights: int, tail_index: int, stamp: int,
-                  owner: object) -> PieceMover:
-    """Through the driver: the rows' copy, the weights' copy, and the tail word written by the
-    stream itself (it fences the copies before the write)."""
+def _driver_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
+                  staging_x: int, tail_index: int, stamp: int, owner: object) -> PieceMover:
+    """Through the driver: the rows' copy, then the tail word written by the stream itself (it
+    fences the copy before the write)."""
     row_bytes = x.shape[1] * x.element_size()
     x_address = x.data_ptr()
-    weight_bytes = topk_weights.shape[1] * 4 if topk_weights is not None else 0
-    weights_address = topk_weights.data_ptr() if topk_weights is not None else 0
     bases = [peer.data_ptr() for peer in peers]
 
     def move(stream: int, peer: int, piece: int, src_row: int, dst_row: int, rows: int) -> None:
         base = bases[peer]
         _check(driver.cuMemcpyDtoDAsync(base + staging_x + dst_row * row_bytes, x_address + src_row * row_bytes,
                                         rows * row_bytes, stream), "row copy")
-        if weight_bytes:
-            _check(driver.cuMemcpyDtoDAsync(base + staging_weights + dst_row * weight_bytes,
-                                            weights_address + src_row * weight_bytes, rows * weight_bytes, stream),
-                   "weights copy")
         _check(driver.cuStreamWriteValue64(stream, base + (tail_index + piece) * 8, stamp + rows, 0), "tail write")
     return move
 

@@ -25,10 +25,11 @@ class Tuning:
     combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
     # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
-    # this many pieces per peer (each piece costs a copy and a kernel launch on the host, and a
-    # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2).
+    # this many pieces per peer (each piece costs a copy and a stream write on the host, and a
+    # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2);
+    # 0: by rank count (``combine_copy_engine.pieces_per_peer``).
     copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
-    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "2"))
+    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "0"))
     # Those pieces through the CUDA driver (cuda-bindings: a copy and a stream write per piece)
     # when it is installed; False: torch's copies and a signal kernel per piece.
     combine_driver: bool = os.environ.get("TRITONEP_COMBINE_DRIVER", "1") == "1"
