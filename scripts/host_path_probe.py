@@ -95,10 +95,12 @@ def run(group: dist.ProcessGroup, defaults: bool, profile: bool = False, only_lo
                                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
 
     recv_x, _, _, _, handle, _ = fresh()
+    x_fp8 = deep_ep.utils.per_token_cast_to_fp8(x)
     calls = {
         "layout": layout,
         "dispatch_fresh": fresh,
         "dispatch_cached": lambda: buffer.dispatch(x, handle=handle),
+        "dispatch_cached_fp8": lambda: buffer.dispatch(x_fp8, handle=handle),
         "dispatch_worst": lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                   num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                                                   topk_weights=topk_weights, num_worst_tokens=N * R),

@@ -20,9 +20,12 @@ On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). Times are medians of CUDA-event
-timings (``--iters``, 50 by default) taken with L2 flushed and the GPUs aligned by a small
-all-reduce before each call; every figure is the slowest rank's. Without GPUs it runs the CPU
-backend on gloo ranks at a small size so the command works everywhere.
+timings (``--iters``, 50 by default), the GPUs aligned by a small all-reduce and then L2
+flushed before each call (the flush's time lets the host enqueue the call, as in DeepEP's own
+timing); every figure is the slowest rank's. On GPUs the main figures are
+taken in ``--rounds`` rounds (2 by default), tritonep and DeepEP in turn: each is the median over
+the rounds, and the table gives the rounds' largest spread. Without GPUs it runs the CPU backend
+on gloo ranks at a small size so the command works everywhere.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from tritonep.launch import RankPool
 def _call_times_us(group: dist.ProcessGroup, fns: list[Callable[[], object]], iters: int,
                    warmup: int = 3) -> list[list[float]]:
     """Microseconds of each call of each ``fn``, the fns called in turn ``iters`` times, all
-    ranks starting together, L2 flushed before each call on GPUs (this rank's times)."""
+    ranks starting together, L2 flushed before each call on GPUs (this rank's times; the call's
+    time on the GPU, its host path hidden behind the flush up to the flush's length)."""
     gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     align = torch.zeros(1, dtype=torch.float32, device="cuda" if gpu else "cpu")
     for _ in range(warmup):
@@ -56,10 +60,14 @@ def _call_times_us(group: dist.ProcessGroup, fns: list[Callable[[], object]], it
     times: list[list] = [[] for _ in fns]
     for _ in range(iters):
         for fn, fn_times in zip(fns, times):
-            if gpu:
-                flush_l2()
+            # Align the ranks first, then flush: the flush's ~85 us on the GPU is the host's time
+            # to enqueue the call, as in DeepEP's own timing (flush, record, call). Aligning after
+            # the flush left the host no head start, and a call whose kernels are shorter than
+            # its host path measured its host time instead (cached fp8 dispatch at one rank:
+            # 76 us in some rounds, 130-162 in others, docs/benchmarks/2026-11-24-h200x1-s6).
             dist.all_reduce(align, group=group)
             if gpu:
+                flush_l2()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
@@ -225,9 +233,24 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
                                                 fp8=False)
     _, _, _, in_rank, _ = collective.get_dispatch_layout(topk_idx, args.experts)
     report["bare_all_to_all_us"] = _bare_all_to_all_us(group, args, x, in_rank)
-    if gpu:
-        ours = _buffer(group, "nvlink", nvl_bytes)
-        report["tritonep"] = _measure_buffer(group, ours, args, x, topk_idx, topk_weights, args.num_sms)
+    ours = _buffer(group, "nvlink", nvl_bytes) if gpu else None
+    deepep = _deepep_buffer(group, nvl_bytes, gpu) if args.vs_deepep else None
+    # Rounds of the main figures, tritonep and DeepEP in turn: each figure is the median over
+    # rounds, and the rounds' spread shows whether the run is a result (issue #10: within 10%).
+    rounds: dict[str, list[dict]] = {"tritonep": [], "deepep": []}
+    for _ in range(args.rounds if gpu else 1):
+        if ours is not None:
+            rounds["tritonep"].append(_measure_buffer(group, ours, args, x, topk_idx, topk_weights, args.num_sms))
+        if isinstance(deepep, tuple):
+            rounds["deepep"].append(_measure_deepep(group, deepep, args, x, topk_idx, topk_weights, args.num_sms))
+    for name, measured in rounds.items():
+        if measured and all("error" not in m for m in measured):
+            report[name] = combine_rounds(measured)
+        elif measured:
+            report[name] = next(m for m in measured if "error" in m)
+    if isinstance(deepep, dict):
+        report["deepep"] = deepep
+    if ours is not None:
         report["tritonep"]["combine_sm_only_us"] = _sm_only_combine_us(group, ours, args, x, topk_idx, topk_weights)
         remote_rows = int(in_rank.sum()) - int(in_rank[:, rank].sum())
         report["remote_bytes"] = remote_rows * args.hidden * 2
@@ -236,10 +259,31 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
             report["num_sms_curve"] = {
                 n: _measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False) for n in SWEEP_SMS}
             report["shape_sweep"] = _shape_sweep(group, ours, args, x, topk_idx, topk_weights)
-    if args.vs_deepep:
-        report["deepep"] = _deepep(group, args, x, topk_idx, topk_weights, nvl_bytes, gpu)
+    if isinstance(deepep, tuple):
+        if args.sweep and "error" not in report["deepep"]:
+            report["deepep"]["num_sms_curve"] = {n: _measure_deepep(group, deepep, args, x, topk_idx, topk_weights,
+                                                                    n, fp8=False) for n in SWEEP_SMS}
+        try:
+            deepep[1].destroy()
+        except Exception as error:  # noqa: BLE001 - e.g. its runtime refusing this rank count
+            report["deepep"].setdefault("error", f"destroy: {type(error).__name__}: {error}")
+        deepep[0].Buffer.set_num_sms(args.num_sms)
     tritonep.Buffer.set_num_sms(args.num_sms)
     return report
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One report from several rounds of ``_measure_buffer``: each figure the median over the
+    rounds; with 2+ rounds also ``rounds`` (each round's figures) and ``round_spread`` (per
+    time figure, slowest / fastest round - 1)."""
+    if len(rounds) == 1:
+        return dict(rounds[0])
+    result = {key: statistics.median(m[key] for m in rounds) for key in rounds[0]}
+    result["recv_rows"], result["recv_bytes"] = rounds[0]["recv_rows"], rounds[0]["recv_bytes"]
+    result["rounds"] = rounds
+    result["round_spread"] = {key: max(m[key] for m in rounds) / min(m[key] for m in rounds) - 1
+                              for key in rounds[0] if key.endswith("_us") and min(m[key] for m in rounds) > 0}
+    return result
 
 
 SWEEP_SMS = (4, 8, 16, 24, 32, 64)
@@ -257,25 +301,25 @@ def _sm_only_combine_us(group, buffer, args, x, topk_idx, topk_weights) -> float
         buffer.backend.tuning = default
 
 
-def _deepep(group, args, x, topk_idx, topk_weights, nvl_bytes: int, gpu: bool) -> dict:
-    """DeepEP V1's Buffer on the same inputs, with the same timing (``--vs-deepep``); a
-    ``{"missing": why}`` entry when deep_ep does not import, or an ``{"error": ...}`` one when
-    a DeepEP call fails, so that the rest of the run still reports."""
+def _deepep_buffer(group, nvl_bytes: int, gpu: bool) -> tuple | dict:
+    """``(deep_ep module, its Buffer)`` for ``--vs-deepep``, or a ``{"missing": why}`` /
+    ``{"error": ...}`` entry when deep_ep does not import or its Buffer fails, so that the rest
+    of the run still reports."""
     module, why = load_deepep()
     if module is None or not gpu:
         return {"missing": why or "DeepEP runs on GPUs only"}
     try:
-        buffer = module.Buffer(group, nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
-                               explicitly_destroy=True)
-        try:
-            result = _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, module=module)
-            if args.sweep:
-                result["num_sms_curve"] = {n: _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, n,
-                                                              fp8=False, module=module) for n in SWEEP_SMS}
-        finally:
-            buffer.destroy()
-            module.Buffer.set_num_sms(args.num_sms)
-        return result
+        return module, module.Buffer(group, nvl_bytes, 0, low_latency_mode=False, num_qps_per_rank=1,
+                                     explicitly_destroy=True)
+    except Exception as error:  # noqa: BLE001 - report it, keep the run's other figures
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def _measure_deepep(group, deepep: tuple, args, x, topk_idx, topk_weights, num_sms: int, fp8: bool = True) -> dict:
+    """DeepEP V1's Buffer on the same inputs with the same timing, or ``{"error": ...}``."""
+    module, buffer = deepep
+    try:
+        return _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms, fp8=fp8, module=module)
     except Exception as error:  # noqa: BLE001 - report it, keep the run's other figures
         return {"error": f"{type(error).__name__}: {error}"}
 
@@ -338,6 +382,13 @@ def print_table(report: dict) -> None:
     rows.append(("bare all_to_all_single (rows only)", report["bare_all_to_all_us"], any_path["recv_bytes"]))
     for name, us, num_bytes in rows:
         print(f"{name:<40}{us:>12.1f}{_gbps(num_bytes, us) if num_bytes else float('nan'):>10.1f}")
+    for name, key in (("tritonep", "tritonep"), ("DeepEP V1", "deepep")):
+        spread = report.get(key, {}).get("round_spread")
+        if spread:
+            worst = max(spread, key=spread.get)
+            verdict = "within 10%" if spread[worst] <= 0.10 else "OVER 10%: not a result yet"
+            print(f"({name}: {len(report[key]['rounds'])} rounds, figures are their medians; largest spread "
+                  f"{100 * spread[worst]:.1f}% ({worst}), {verdict})")
     if "copy_engine_ceiling_gbps" in report:
         print(f"{'link ceiling (copy engine push)':<40}{'':>12}{report['copy_engine_ceiling_gbps']:>10.1f}")
         nvl = _ceiling_nvl_gbps(report)
@@ -374,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--iters", type=int, default=50, help="timed calls per figure (median)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of the main figures on GPUs (tritonep and DeepEP in turn): medians and spread")
     parser.add_argument("--sweep", action="store_true", help=f"num_sms curve {SWEEP_SMS} and kernel shapes")
     parser.add_argument("--vs-deepep", action="store_true",
                         help="also DeepEP V1 (import deep_ep) on the same inputs, when it imports")
