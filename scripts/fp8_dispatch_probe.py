@@ -1,5 +1,6 @@
 """Why a cached fp8 dispatch sometimes takes twice as long: the same call timed many times in
-one process, with the quantities that could decide it printed beside each time.
+one process, with the quantities that could decide it printed beside each time. (It runs at
+the Buffer's default num_sms, 20; the bench at 24.)
 
 At one rank the bench's cached fp8 dispatch took 75-76 us in some rounds and 130-162 us in
 others, in the same process and on the same inputs, while the bf16 one stayed at 111-112 us
