@@ -1,16 +1,16 @@
-"""Why a cached fp8 dispatch sometimes takes twice as long: the same call timed many times in
-one process, with the quantities that could decide it printed beside each time. (It runs at
-the Buffer's default num_sms, 20; the bench at 24.)
+"""Whether a cached dispatch's measured time is its kernel's: the bench's event timing beside
+the profiler's kernel time, call after call, for fp8 and bf16.
 
-At one rank the bench's cached fp8 dispatch took 75-76 us in some rounds and 130-162 us in
-others, in the same process and on the same inputs, while the bf16 one stayed at 111-112 us
-(docs/benchmarks/2026-11-24-h200x1-s6). This probe times (bench timing: L2 flushed, median
-of ``--iters`` calls) the cached fp8 dispatch ``--trials`` times. It gives each trial a newly
-cast ``x_fp8``, so the input addresses change, and times every trial's input again at the end,
-so that a mode tied to the input can be told from one tied to the moment. Each row shows the input and output
-addresses modulo 2 MB and the compiled launch's setup count.
+At one rank the bench's cached fp8 dispatch took 75-76 us in some rounds and 130-178 us in
+others, while its kernel took 72-74 us in every profile (docs/benchmarks/2026-11-24-h200x1-s6):
+the events had timed the host's enqueue of the call, which outlasted the L2 flush. This probe
+repeats the comparison with the bench's own timing (``bench._call_times_us``) in ``--trials``
+trials. Each trial uses a newly cast ``x_fp8``, and every other trial a new handle from a fresh
+dispatch, so that addresses change. ``--variants`` adds kernel shapes
+(``tuning.with_changes`` syntax), timed the same way.
 
-    PYTHONPATH=. python scripts/fp8_dispatch_probe.py [--ranks 1] [--trials 8] [--json out.json]
+    PYTHONPATH=. python scripts/fp8_dispatch_probe.py [--trials 10] [--num-sms 24] [--hidden 7168]
+                                                      [--variants rows=16 block=1024] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,60 +25,77 @@ import torch.distributed as dist
 
 import tritonep
 from tritonep import utils
+from tritonep.backends.nvlink.tuning import with_changes
 from tritonep.bench import _call_times_us
 from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
 
-TWO_MB = 1 << 21
+
+def _kernel_us(fn, calls: int = 10) -> float:
+    """Mean device time of the dispatch kernels per call, from torch.profiler (L2 not flushed)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return round(sum(e.device_time_total for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and "dispatch_kernel" in e.name) / calls, 1)
 
 
-def probe(group: dist.ProcessGroup, trials: int, iters: int) -> list[dict]:
+def probe(group: dist.ProcessGroup, trials: int, iters: int, num_sms: int, variants: list[str],
+          hidden: int = 7168) -> list[dict]:
     os.environ["TRITONEP_BACKEND"] = "nvlink"
-    rank, device = group.rank(), torch.device("cuda", torch.cuda.current_device())
-    torch.manual_seed(1234 + rank)
-    N, H, E, K = 4096, 7168, 256, 8
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(1234 + group.rank())
+    N, H, E, K = 4096, hidden, 256, 8
     x = torch.randn(N, H, device=device).to(torch.bfloat16)
     topk_idx = (torch.randn(N, E, device=device).abs() + 1).topk(K, dim=-1).indices
     topk_weights = torch.rand(N, K, device=device)
-    buffer = tritonep.Buffer(group, nvl_bytes_for(N, H, group.size()))
+    buffer = tritonep.Buffer(group, nvl_bytes_for(N, H, group.size()), explicitly_destroy=True)
+    tritonep.Buffer.set_num_sms(num_sms)
+    config = tritonep.Buffer.get_dispatch_config(group.size())
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
-    _, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                            num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                            topk_weights=topk_weights)
-    from tritonep.backends.nvlink.backend import _DISPATCH
-
-    def fp8_call(x_fp8, last: list):
-        def call():
-            result = buffer.dispatch(x_fp8, handle=handle)
-            last[:] = [result[0][0].data_ptr(), result[0][1].data_ptr()]
-            return result
-        return call
-
-    rows, calls = [], []
+    default = buffer.backend.tuning
+    rows, kept, handle = [], [], None
     for trial in range(trials):
-        x_fp8, last = utils.per_token_cast_to_fp8(x), []
-        calls.append(fp8_call(x_fp8, last))   # keeps x_fp8 alive: the next trial's input lands elsewhere
-        fp8_times, bf16_times = _call_times_us(group, [calls[-1], lambda: buffer.dispatch(x, handle=handle)], iters)
-        rows.append({
-            "trial": trial, "fp8_us": round(statistics.median(fp8_times), 1),
-            "bf16_us": round(statistics.median(bf16_times), 1), "x_fp8_mod_2mb": x_fp8[0].data_ptr() % TWO_MB,
-            "scales_mod_2mb": x_fp8[1].data_ptr() % TWO_MB, "scales_stride": list(x_fp8[1].stride()),
-            "recv_x_mod_2mb": last[0] % TWO_MB, "recv_scales_mod_2mb": last[1] % TWO_MB,
-            "launch_setups": len(_DISPATCH.setups)})
-    for row, call in zip(rows, calls):   # the same inputs again, later: a mode of the input or of the moment?
-        row["fp8_later_us"] = round(statistics.median(_call_times_us(group, [call], iters)[0]), 1)
+        if handle is None or trial % 2:
+            result = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                     num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                                     config=config)
+            handle = result[4]
+        x_fp8 = utils.per_token_cast_to_fp8(x)
+        kept += [handle, x_fp8]   # alive: the next trial's tensors land elsewhere
+        for variant in ["defaults"] + (variants if trial == 0 else []):
+            buffer.backend.tuning = with_changes(default, variant)
+
+            def fp8(x_fp8=x_fp8, handle=handle):
+                return buffer.dispatch(x_fp8, handle=handle, config=config)
+
+            def bf16(handle=handle):
+                return buffer.dispatch(x, handle=handle, config=config)
+
+            fp8_times, bf16_times = _call_times_us(group, [fp8, bf16], iters)
+            rows.append({"hidden": hidden, "trial": trial, "variant": variant,
+                         "fp8_events_us": round(statistics.median(fp8_times), 1), "fp8_kernel_us": _kernel_us(fp8),
+                         "bf16_events_us": round(statistics.median(bf16_times), 1), "bf16_kernel_us": _kernel_us(bf16)})
+        buffer.backend.tuning = default
+    buffer.destroy()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=1)
-    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--variants", nargs="*", default=[])
+    parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--json")
     args = parser.parse_args()
-    with RankPool(args.ranks, use_gpu=True, timeout=300) as pool:
-        rows = pool.run(probe, args.trials, args.iters)[0]
+    with RankPool(args.ranks, use_gpu=True, timeout=500) as pool:
+        rows = pool.run(probe, args.trials, args.iters, args.num_sms, args.variants, args.hidden)[0]
     for row in rows:
         print(json.dumps(row))
     if args.json:

@@ -32,11 +32,11 @@ def test_bench_on_cpu_ranks_writes_every_path(tmp_path) -> None:
 def test_rounds_combine_into_medians_and_a_spread() -> None:
     """Several rounds of the main figures: each figure the median over rounds, the spread per
     time figure (slowest / fastest - 1), the bytes taken as they are; one round stays as it is."""
-    rounds = [dict(recv_rows=10, recv_bytes=100.0, combine_us=100.0, cached_dispatch_us=50.0),
-              dict(recv_rows=10, recv_bytes=100.0, combine_us=120.0, cached_dispatch_us=50.0),
-              dict(recv_rows=10, recv_bytes=100.0, combine_us=110.0, cached_dispatch_us=51.0)]
+    rounds = [dict(recv_rows=10, recv_bytes=100.0, combine_us=c, cached_dispatch_us=d, host_us=dict(combine=h))
+              for c, d, h in ((100.0, 50.0, 9.0), (120.0, 50.0, 7.0), (110.0, 51.0, 8.0))]
     combined = bench.combine_rounds(rounds)
     assert combined["combine_us"] == 110.0 and combined["cached_dispatch_us"] == 50.0
+    assert combined["host_us"] == dict(combine=8.0) and "host_us" not in combined["round_spread"]
     assert combined["recv_bytes"] == 100.0 and combined["rounds"] == rounds
     assert abs(combined["round_spread"]["combine_us"] - 0.2) < 1e-12
     assert abs(combined["round_spread"]["cached_dispatch_us"] - 0.02) < 1e-12

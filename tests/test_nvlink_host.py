@@ -19,7 +19,7 @@ from tritonep.backends.nvlink.combine_copy_engine import (  # noqa: E402
     pieces_per_peer,
 )
 from tritonep.backends.nvlink.side_streams import PeerStreams  # noqa: E402
-from tritonep.backends.nvlink.tuning import Tuning, tile_rows, with_changes  # noqa: E402
+from tritonep.backends.nvlink.tuning import Tuning, tile_block, tile_rows, with_changes  # noqa: E402
 
 count_matrices = st.integers(1, 6).flatmap(
     lambda r: st.lists(st.lists(st.integers(0, 50), min_size=r, max_size=r), min_size=r, max_size=r))
@@ -77,6 +77,16 @@ def test_tile_rows_keep_about_128_kb_per_tile() -> None:
     assert tile_rows(0, 2048 * 2) == 32         # capped
     assert tile_rows(0, 1 << 20) == 8           # at least 8
     assert tile_rows(4, 7168 * 2) == 4          # set by hand (TRITONEP_ROWS)
+
+
+def test_tile_block_keeps_64_kb_per_chunk() -> None:
+    """The measured best of each shape (rows from tile_rows, row width in 4-byte words)."""
+    assert tile_block(0, 8, 3584) == 2048      # bf16, hidden 7168
+    assert tile_block(0, 16, 1792) == 1024     # fp8 rows of hidden 7168
+    assert tile_block(0, 16, 2048) == 1024     # bf16, hidden 4096
+    assert tile_block(0, 32, 1024) == 512      # fp8 hidden 4096, bf16 hidden 2048
+    assert tile_block(0, 32, 100) == 128       # never wider than the row (rounded up to a power of two)
+    assert tile_block(4096, 8, 3584) == 4096 and tile_block(4096, 8, 1000) == 1024   # set by hand
 
 
 def test_peer_streams_run_jobs_in_order_without_a_gpu() -> None:

@@ -20,9 +20,10 @@ On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). Times are medians of CUDA-event
-timings (``--iters``, 50 by default), the GPUs aligned by a small all-reduce and then L2
-flushed before each call (the flush's time lets the host enqueue the call, as in DeepEP's own
-timing); every figure is the slowest rank's. On GPUs the main figures are
+timings (``--iters``, 50 by default), the GPUs aligned by a small all-reduce, L2 flushed and the
+stream put to sleep for about 200 us before each call (the host enqueues the call meanwhile, so
+the events time the GPU, as DeepEP's flush-then-call timing intends); every figure is the
+slowest rank's. The host's CPU time per call is reported beside them. On GPUs the main figures are
 taken in ``--rounds`` rounds (2 by default), tritonep and DeepEP in turn: each is the median over
 the rounds, and the table gives the rounds' largest spread. Without GPUs it runs the CPU backend
 on gloo ranks at a small size so the command works everywhere.
@@ -43,7 +44,7 @@ import torch.distributed as dist
 
 import tritonep
 from tritonep import bench_low_latency, utils
-from tritonep.bench_timing import flush_l2, load_deepep, slowest
+from tritonep.bench_timing import back_to_back_host_us, flush_l2, host_head_start, load_deepep, slowest
 from tritonep.launch import RankPool
 
 
@@ -60,14 +61,16 @@ def _call_times_us(group: dist.ProcessGroup, fns: list[Callable[[], object]], it
     times: list[list] = [[] for _ in fns]
     for _ in range(iters):
         for fn, fn_times in zip(fns, times):
-            # Align the ranks first, then flush: the flush's ~85 us on the GPU is the host's time
-            # to enqueue the call, as in DeepEP's own timing (flush, record, call). Aligning after
-            # the flush left the host no head start, and a call whose kernels are shorter than
-            # its host path measured its host time instead (cached fp8 dispatch at one rank:
-            # 76 us in some rounds, 130-162 in others, docs/benchmarks/2026-11-24-h200x1-s6).
+            # Align the ranks, flush, then give the host a head start (``host_head_start``): the
+            # events time the call on the GPU, its host path enqueued while the GPU still flushes
+            # and sleeps, as DeepEP's own timing intends (flush, record, call). Without it, a call
+            # whose kernels are shorter than its host path measured its host time instead (cached
+            # fp8 dispatch at one rank: 76 us in some rounds, 130-178 in others, kernel 72-74 us;
+            # docs/benchmarks/2026-11-24-h200x1-s6). Host time has rows of its own (``host_us``).
             dist.all_reduce(align, group=group)
             if gpu:
                 flush_l2()
+                host_head_start()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
@@ -165,6 +168,9 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
         "combine_us": _median_us(group, combine, iters),
     }
     if x.is_cuda:
+        # CPU time per call, calls made back to back (the GPU synchronised between rounds).
+        result["host_us"] = {name: back_to_back_host_us(fn, calls=10, rounds=7) for name, fn in
+                             (("layout", layout_call), ("cached_dispatch", cached), ("combine", combine))}
         result["layout_pipelined_us"] = _pipelined_us(group, layout_call, iters)
         result["cached_dispatch_pipelined_us"] = _pipelined_us(group, cached, iters)
         result["combine_pipelined_us"] = _pipelined_us(group, combine, iters)
@@ -274,15 +280,21 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
 
 def combine_rounds(rounds: list[dict]) -> dict:
     """One report from several rounds of ``_measure_buffer``: each figure the median over the
-    rounds; with 2+ rounds also ``rounds`` (each round's figures) and ``round_spread`` (per
-    time figure, slowest / fastest round - 1)."""
+    rounds; with 2+ rounds also ``rounds`` (each round's figures) and ``round_spread`` (per GPU
+    time figure, slowest / fastest round - 1; the host times are left out)."""
     if len(rounds) == 1:
         return dict(rounds[0])
-    result = {key: statistics.median(m[key] for m in rounds) for key in rounds[0]}
+    def median(values: list) -> object:   # numbers, or dicts of numbers (host_us) key by key
+        if isinstance(values[0], dict):
+            return {key: statistics.median(v[key] for v in values) for key in values[0]}
+        return statistics.median(values)
+
+    result = {key: median([m[key] for m in rounds]) for key in rounds[0]}
     result["recv_rows"], result["recv_bytes"] = rounds[0]["recv_rows"], rounds[0]["recv_bytes"]
     result["rounds"] = rounds
+    timed = [key for key in rounds[0] if key.endswith("_us") and isinstance(rounds[0][key], float | int)]
     result["round_spread"] = {key: max(m[key] for m in rounds) / min(m[key] for m in rounds) - 1
-                              for key in rounds[0] if key.endswith("_us") and min(m[key] for m in rounds) > 0}
+                              for key in timed if min(m[key] for m in rounds) > 0}
     return result
 
 
@@ -382,6 +394,11 @@ def print_table(report: dict) -> None:
     rows.append(("bare all_to_all_single (rows only)", report["bare_all_to_all_us"], any_path["recv_bytes"]))
     for name, us, num_bytes in rows:
         print(f"{name:<40}{us:>12.1f}{_gbps(num_bytes, us) if num_bytes else float('nan'):>10.1f}")
+    for name, key in (("tritonep", "tritonep"), ("DeepEP V1", "deepep"), ("all_to_all_single path", "all_to_all_path")):
+        host = report.get(key, {}).get("host_us")
+        if host:
+            calls = ", ".join(f"{call} {us:.1f} us" for call, us in host.items())
+            print(f"{name + ': host per call (CPU)':<40} {calls}")
     for name, key in (("tritonep", "tritonep"), ("DeepEP V1", "deepep")):
         spread = report.get(key, {}).get("round_spread")
         if spread:

@@ -22,6 +22,19 @@ def flush_l2() -> None:
     _L2_FLUSH[device].zero_()
 
 
+# GPU cycles the timed stream sleeps after the L2 flush, about 200 us at an H200's 1.98 GHz:
+# with the flush's own 65-85 us, the host's time to enqueue the timed call. A cached dispatch
+# costs a slow host 64-100 us and an EP8 combine issues copies for ~200 us
+# (docs/benchmarks/2026-11-24-h200x1-s6); without the sleep such host time showed up in the
+# GPU time whenever it outlasted the flush. The host's own time is reported in rows of its own.
+HEAD_START_CYCLES = 400_000
+
+
+def host_head_start() -> None:
+    """Keep the current stream busy for ``HEAD_START_CYCLES`` (after the flush, before the start event)."""
+    torch.cuda._sleep(HEAD_START_CYCLES)
+
+
 def slowest(group: dist.ProcessGroup, value: float) -> float:
     """The largest ``value`` over the ranks: a collective call is as slow as its slowest rank."""
     on_gpu = dist.get_backend(group) == "nccl"

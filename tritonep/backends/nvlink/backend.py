@@ -39,7 +39,7 @@ from .memory import MAX_CHANNELS, SymmetricBuffer
 from .notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
 from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
-from .tuning import Tuning, split_programs, tile_shape
+from .tuning import Tuning, split_programs, tile_block, tile_shape
 
 # A launch converts only these arguments per call; the others are fixed by the backend and
 # the call's shape, which the setup key stands for (``_DispatchShape``, ``combine``).
@@ -100,8 +100,8 @@ class _DispatchShape:
             TAIL_WORD=backend.memory.signals.dispatch_tail, DONE_WORD=backend.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), BLOCK=min(_pow2(x_words), t.block), GPU=GPU_KERNELS,
-            **tile_shape(t.rows, row_bytes))
+            TOPK_PAD=_pow2(max(num_topk, 1)), GPU=GPU_KERNELS, **tile_shape(t.rows, row_bytes))
+        constants["BLOCK"] = tile_block(t.block, constants["ROWS"], x_words)
         unused = backend._placeholder(torch.int32)
         return _DispatchShape(
             x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, regions, senders,
@@ -444,9 +444,9 @@ class NvlinkBackend(Backend):
             TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
             NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-            HAS_BIAS1=bias[1] is not None, COPY_BLOCK=min(_pow2(hidden // 2), t.block),
-            BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens, STAGE=t.stage, GPU=GPU_KERNELS,
-            **tile_shape(t.rows, 2 * hidden))
+            HAS_BIAS1=bias[1] is not None, BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
+            STAGE=t.stage, GPU=GPU_KERNELS, **tile_shape(t.rows, 2 * hidden))
+        constants["COPY_BLOCK"] = tile_block(t.block, constants["ROWS"], hidden // 2)
         # Everything the launch does not convert per call (see _COMBINE) follows from these.
         setup = (self._launch_key, hidden, num_topk, topk_weights is not None, bias[0] is not None, bias[1] is not None)
         if plan.counts is not None and t.copy_engine_combine:

@@ -19,7 +19,7 @@ class Tuning:
     sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
     combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.375"))
     rows: int = int(os.environ.get("TRITONEP_ROWS", "0"))          # rows per tile; 0: by row size (tile_rows)
-    block: int = int(os.environ.get("TRITONEP_BLOCK", "2048"))
+    block: int = int(os.environ.get("TRITONEP_BLOCK", "0"))        # columns per chunk; 0: tile_block
     warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
     tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
     combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
@@ -54,6 +54,17 @@ def tile_rows(rows: int, row_bytes: int) -> int:
         return rows
     fit = max(1, 131072 // max(row_bytes, 1))
     return min(32, max(8, 1 << (fit.bit_length() - 1)))
+
+
+def tile_block(block: int, rows: int, row_words: int) -> int:
+    """Columns (4-byte words) per chunk of a ``rows``-row tile: ``block`` if set, else 64 KB per
+    chunk (rows x columns x 4 bytes); at most the row's width rounded up to a power of two.
+    Measured at one rank (the receive half's copies), bf16 and fp8 rows of hidden 2048, 4096
+    and 7168, at 8 and 24 SMs: 64 KB per chunk was the fastest of 512 to 4096 columns in every
+    case, e.g. fp8 hidden 7168 61 us against 73 with 2048 columns, bf16 hidden 4096 64 us
+    against 86 (docs/benchmarks/2026-11-24-h200x1-s6, run 16)."""
+    width = 1 << max(row_words - 1, 0).bit_length()
+    return min(width, block if block else max(16384 // rows, 64))
 
 
 def tile_shape(rows: int, row_bytes: int) -> dict[str, int]:
