@@ -345,7 +345,7 @@ def _shape_sweep(group, buffer, args, x, topk_idx, topk_weights) -> list[dict]:
     # width over NVLink is still to measure); combine_pieces: 1 and 2 per peer at any rank count.
     variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=1024), dict(block=4096),
                 dict(combine_pieces=1), dict(combine_pieces=2),
-                dict(tokens=2), dict(tokens=8), dict(combine_block=1024), dict(combine_block=4096),
+                dict(tokens=1), dict(tokens=2), dict(tokens=8), dict(combine_block=1024), dict(combine_block=4096),
                 dict(sender_fraction=0.5, combine_sender_fraction=0.25),
                 dict(sender_fraction=0.75, combine_sender_fraction=0.5)]
     for change in variants:
