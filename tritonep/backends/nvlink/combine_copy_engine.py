@@ -26,12 +26,13 @@ a side stream's fork and join 8 us. With cuda-bindings installed (and the GPU su
 stream memory operations) a piece is those two driver calls, the tail word written by the
 stream itself, which the driver orders after the copy with a memory barrier. Otherwise it is
 torch's ``copy_`` and a one-program signal kernel, same semantics (``Tuning.combine_driver=
-False`` chooses it). ``pieces_per_peer`` caps the pieces so that the host's issue stays well
-under the copies' own time at every rank count.
+False`` chooses it). By default ``pieces_per_peer`` picks fewer pieces per peer as the peers
+grow in number, so that the host's issue stays well under the copies' own time.
 
 Staging reuse: the reduction's last program waits until every peer's reducers finished the
-call (``combine_kernel.release_staging``), and the next combine's copies start only after that
-kernel on the caller's stream, so a copy never overwrites rows a peer has not reduced yet.
+call (``combine_kernel.release_staging``), and the next combine's weights kernel and copies
+start only after that kernel on the caller's stream, so neither overwrites rows or weights a
+peer has not reduced yet.
 """
 
 from __future__ import annotations
