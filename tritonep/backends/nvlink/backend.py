@@ -440,15 +440,21 @@ class NvlinkBackend(Backend):
                 bias[1] if bias[1] is not None else x, out, out_weights if out_weights is not None else out,
                 num_tokens, hidden, self.memory.peer_base_ptrs, *regions, capacity,
                 self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns)
-        constants = dict(
-            TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
-            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
-            NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-            HAS_BIAS1=bias[1] is not None, BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
-            STAGE=t.stage, GPU=GPU_KERNELS, **tile_shape(t.rows, 2 * hidden))
-        constants["COPY_BLOCK"] = tile_block(t.block, constants["ROWS"], hidden // 2)
-        # Everything the launch does not convert per call (see _COMBINE) follows from these.
+        # Everything the launch does not convert per call (see _COMBINE) follows from the setup
+        # key; the constexprs are built only when a key is new (FastLauncher).
         setup = (self._launch_key, hidden, num_topk, topk_weights is not None, bias[0] is not None, bias[1] is not None)
+
+        def constants(senders: int, reducers: int, channels: int) -> Callable[[], dict]:
+            def make() -> dict:
+                shape = tile_shape(t.rows, 2 * hidden)
+                return dict(
+                    TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
+                    MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
+                    NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
+                    HAS_BIAS1=bias[1] is not None, BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
+                    STAGE=t.stage, GPU=GPU_KERNELS, COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
+                    NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=channels, **shape)
+            return make
         if plan.counts is not None and t.copy_engine_combine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
@@ -463,13 +469,12 @@ class NvlinkBackend(Backend):
                 self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces, self._launch_key,
                 self._driver if t.combine_driver else None))
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
-            _COMBINE(reducers, setup + (0, reducers, pieces), args,
-                     dict(constants, NUM_SENDERS=0, NUM_REDUCERS=reducers, NUM_CHANNELS=pieces), t.warps)
+            _COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
             self._peer_streams.join()
         else:
             senders, reducers = split_programs(config.num_sms, t.combine_sender_fraction)
             _COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
-                     dict(constants, NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=senders), t.warps)
+                     constants(senders, reducers, senders), t.warps)
         self.combine_released += reducers
         return out, out_weights
 
