@@ -22,6 +22,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from normal_profile import _profile  # scripts/: the profiler helper of the normal-mode profile
 
 import tritonep
 from tritonep import utils
@@ -31,16 +32,11 @@ from tritonep.buffer import nvl_bytes_for
 from tritonep.launch import RankPool
 
 
-def _kernel_us(fn, calls: int = 10) -> float:
-    """Mean device time of the dispatch kernels per call, from torch.profiler (L2 not flushed)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return round(sum(e.device_time_total for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and "dispatch_kernel" in e.name) / calls, 1)
+def _kernel_us(fn) -> float:
+    """Mean device time of the dispatch kernels per call (``normal_profile._profile``: torch.profiler,
+    L2 not flushed)."""
+    per_call = _profile(fn)["device_us_per_call"]
+    return round(sum(us for name, us in per_call.items() if "dispatch_kernel" in name), 1)
 
 
 def probe(group: dist.ProcessGroup, trials: int, iters: int, num_sms: int, variants: list[str],

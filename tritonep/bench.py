@@ -52,8 +52,9 @@ from tritonep.launch import RankPool
 def _call_times_us(group: dist.ProcessGroup, fns: list[Callable[[], object]], iters: int,
                    warmup: int = 3) -> list[list[float]]:
     """Microseconds of each call of each ``fn``, the fns called in turn ``iters`` times, all
-    ranks starting together, L2 flushed before each call on GPUs (this rank's times; the call's
-    time on the GPU, its host path hidden behind the flush up to the flush's length)."""
+    ranks starting together, L2 flushed and the stream asleep before each call on GPUs (this
+    rank's times: the call's time on the GPU, its host path enqueued during the flush and the
+    sleep)."""
     gpu = torch.cuda.is_available() and dist.get_backend(group) == "nccl"
     align = torch.zeros(1, dtype=torch.float32, device="cuda" if gpu else "cpu")
     for _ in range(warmup):

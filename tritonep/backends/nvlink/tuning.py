@@ -8,6 +8,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import triton
+
 from .memory import MAX_CHANNELS
 
 
@@ -63,8 +65,7 @@ def tile_block(block: int, rows: int, row_words: int) -> int:
     and 7168, at 8 and 24 SMs: 64 KB per chunk was the fastest of 512 to 4096 columns in every
     case, e.g. fp8 hidden 7168 61 us against 73 with 2048 columns, bf16 hidden 4096 64 us
     against 86 (docs/benchmarks/2026-11-24-h200x1-s6, run 16)."""
-    width = 1 << max(row_words - 1, 0).bit_length()
-    return min(width, block if block else max(16384 // rows, 64))
+    return min(triton.next_power_of_2(row_words), block if block else max(16384 // rows, 64))
 
 
 def tile_shape(rows: int, row_bytes: int) -> dict[str, int]:
