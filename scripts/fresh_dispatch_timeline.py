@@ -1,12 +1,12 @@
 """Where the extra time of a fresh (non-cached) normal-mode dispatch goes, stage by stage.
 
-A fresh dispatch costs more than a cached one because the receive half cannot be launched
-before the host knows how many rows arrive: the host launches the count exchange, waits for
-the counts, allocates the outputs, then launches the receive. Every microsecond of host work
-on that path delays the receive. This probe stamps the host clock at each stage boundary of
-the NVLink backend's dispatch (by wrapping its internal steps, so it follows this tree's
-names) and prints the median duration of each stage over many calls, beside the GPU time of a
-fresh and a cached call (CUDA events, idle GPU at the start, L2 flushed, slowest rank).
+A fresh dispatch costs more than a cached one: the host launches the count exchange and waits
+for the counts. Where the receive half waits for them too (the first fresh dispatch of a shape,
+or ``TRITONEP_RECEIVE_BEFORE_SYNC=0``), every microsecond of host work between the counts and
+its launch delays it; otherwise it was launched before the wait. This probe stamps the host
+clock at each stage boundary of the NVLink backend's dispatch (by wrapping its internal steps,
+so it follows this tree's names) and prints the median duration of each stage over many calls,
+beside the GPU time of a fresh and a cached call (CUDA events, idle GPU at the start, L2 flushed, slowest rank).
 
     PYTHONPATH=. python scripts/fresh_dispatch_timeline.py [--ranks R] [--calls 50] [--json PATH]
 

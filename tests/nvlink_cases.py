@@ -166,25 +166,102 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
     return [m for key in expected for m in _mismatches(key, got[key], expected[key])]
 
 
-def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) -> str:
+def _round_trip(buffer: deep_ep.Buffer, num_tokens: int, hidden: int, seed: int, routing: str = "random",
+                topk_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+    """A fresh dispatch of bf16 rows (top-2 of 4 experts per rank) and a combine of the rows as
+    received: every rank a token reached returns it unchanged, so the combined row must be the
+    token times that count. Returns (recv_x, whether it was). ``topk_idx`` overrides the routing."""
+    num_experts, device, rank = 4 * buffer.group_size, buffer.device, buffer.rank
+    cpu32 = dict(generator=torch.Generator().manual_seed(seed * 100 + rank), dtype=torch.float32, device="cpu")
+    x = torch.randn(num_tokens, hidden, **cpu32).to(torch.bfloat16).to(device)
+    scores = torch.rand(num_tokens, num_experts, **cpu32)
+    if routing == "one_rank":
+        scores[:, 4:] = -1.0
+    if topk_idx is None:
+        topk_idx = scores.topk(2, dim=1).indices.to(device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=torch.ones(num_tokens, 2, dtype=torch.float32, device=device),
+        config=deep_ep.Config(4))
+    combined = buffer.combine(recv_x, handle, config=deep_ep.Config(4))[0]
+    expected = x.float() * in_rank.sum(dim=1, keepdim=True).float()
+    return recv_x, bool(torch.allclose(combined.float(), expected, rtol=1e-2, atol=1e-2))
+
+
+def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -> bool:
+    """The staging accounting, once the GPUs are idle: on every rank, each peer's receiver
+    programs have added to this rank's dispatch_done word exactly as often as the host counted
+    (``dispatch_released``, the same on every rank). More would let a sender overwrite staging
+    that a peer still reads; fewer would hang the next dispatch."""
+    backend = buffer.backend
+    if buffer.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier(group=group)
+    memory = backend.memory
+    first = memory.signals.dispatch_done
+    done = memory.local[: memory.data_offset].view(torch.int64)[first: first + group.size()].tolist()
+    return all(count == backend.dispatch_released for peer, count in enumerate(done) if peer != group.rank())
+
+
+def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) -> tuple[str, bool]:
     """Rank 0 routes to expert E (out of range): every rank's dispatch must raise, none hang.
 
     On the GPU the front end does not read ids back (that would sync every call); the layout
-    kernel counts them and the count exchange stops all ranks.
+    kernel counts them and the count exchange stops all ranks. (On CPU tensors the front end
+    checks the ids itself, on rank 0 only: GPU runs only.) A dispatch of the same shape goes
+    first, so the refused one launches its receive half before the read-back; it must stand
+    down, and round trips after it must be exact. Returns (the message, whether they were).
     """
     nvlink, _ = _buffers(group, nvl_bytes)
-    num_experts = 8 * group.size()
-    topk_idx = torch.randint(0, num_experts, (64, 4), device=nvlink.device)
+    # Every step runs on every rank whatever an earlier one gave (the steps are collective).
+    checks = [_round_trip(nvlink, 64, 256, seed=1)[1]]
+    topk_idx = torch.randint(0, 4 * group.size(), (64, 2), device=nvlink.device)
     if group.rank() == 0:
-        topk_idx[5, 2] = num_experts
-    x = torch.randn(64, 256, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)
-    per_rank, _, per_expert, in_rank, _ = nvlink.get_dispatch_layout(topk_idx, num_experts)
+        topk_idx[5, 1] = 4 * group.size()
+    message = ""
     try:
-        nvlink.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                        topk_idx=topk_idx, topk_weights=torch.rand(64, 4, device=nvlink.device, dtype=torch.float32))
+        _round_trip(nvlink, 64, 256, seed=2, topk_idx=topk_idx)
     except deep_ep.InputError as error:
-        return str(error)
-    return ""
+        message = str(error)
+    checks += [staging_released_exactly(group, nvlink), _round_trip(nvlink, 64, 256, seed=3)[1],
+               _round_trip(nvlink, 64, 256, seed=4)[1]]
+    return message, all(checks)
+
+
+def staging_overflow_error(group: dist.ProcessGroup) -> tuple[str, bool]:
+    """A fresh dispatch that would put more rows on rank 0 than its staging holds (a 2 MB
+    Buffer: 496 rows of hidden 1024) raises on every rank. Its receive halves were launched
+    before the read-back (earlier calls of the shape give a guess), and rank 0's alone needs
+    more rows than guessed: the others must stand down on the staging check. Round trips
+    before and after must be exact. Returns (the message, whether they were)."""
+    buffer = make_buffer(group, "nvlink", num_nvl_bytes=1 << 21, explicitly_destroy=True)
+    # Every step runs on every rank whatever an earlier one gave (the steps are collective).
+    checks = [_round_trip(buffer, 100, 1024, seed=5)[1], _round_trip(buffer, 60, 1024, seed=6)[1]]
+    message = ""
+    try:
+        _round_trip(buffer, 600, 1024, seed=7, routing="one_rank")
+    except deep_ep.InputError as error:
+        message = str(error)
+    checks += [staging_released_exactly(group, buffer), _round_trip(buffer, 100, 1024, seed=8)[1],
+               _round_trip(buffer, 90, 1024, seed=9)[1]]
+    buffer.destroy()
+    return message, all(checks)
+
+
+def fresh_dispatch_storage_rows(group: dist.ProcessGroup, token_counts: tuple[int, ...],
+                                nvl_bytes: int = 1 << 24) -> list[tuple[int, int]]:
+    """Fresh dispatches of one shape with these token counts (every rank alike), each followed
+    by a combine. Returns, per call, (rows received, rows of the storage behind recv_x, whether
+    the combine restored the input, whether staging was released exactly): larger storage
+    means the outputs were allocated before the counts came back, from a guess."""
+    nvlink, _ = _buffers(group, nvl_bytes)
+    rows = []
+    for call, num_tokens in enumerate(token_counts):
+        recv_x, exact = _round_trip(nvlink, num_tokens, 128, seed=50 + call)
+        released = staging_released_exactly(group, nvlink)
+        rows.append((recv_x.shape[0], recv_x.untyped_storage().nbytes() // (128 * 2), exact, released))
+    return rows
 
 
 def fresh_dispatch_in_graph_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -> tuple[str, bool]:

@@ -76,7 +76,8 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool) 
         dict(x_ptr=I32, x_words=3584, scales_ptr=I32, scale_words=56, scale_token_stride=56, scale_col_stride=1,
              topk_idx_ptr=I64 if has_topk else I32, topk_weights_ptr=F32 if has_topk else I32, token_list_ptr=I32,
              token_list_stride=4096, prefix_ptr=I32, out_x_ptr=I32, out_scales_ptr=I32, out_idx_ptr=I64,
-             out_weights_ptr=F32, out_src_ptr=I32, num_out_rows=8192, peer_base_ptrs=I64, staging_x=1 << 20,
+             out_weights_ptr=F32, out_src_ptr=I32, num_out_rows=8192, guard_word=6, peer_base_ptrs=I64,
+             staging_x=1 << 20,
              staging_scales=1 << 28, staging_idx=1 << 29, staging_weights=1 << 30, staging_src=(1 << 30) + 4096,
              capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64,
              timeout_ns=60 * 10**9),
@@ -117,7 +118,7 @@ def test_combine_weights_kernel_compiles(num_ranks: int) -> None:
     compile_for_hopper(
         combine_weights_kernel,
         dict(weights_ptr=F32, prefix_ptr=I32, peer_base_ptrs=I64, staging_weights=(1 << 30) + (1 << 27), rank=1),
-        dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), NUM_TOPK=8, BLOCK=1024))
+        dict(NUM_RANKS=num_ranks, NUM_TOPK=8, BLOCK=1024))
 
 
 # The low-latency kernels in each mode: fused (one launch), send half, receive half.

@@ -18,9 +18,11 @@ from nvlink_cases import (
     Case,
     compare_case,
     fresh_dispatch_in_graph_error,
+    fresh_dispatch_storage_rows,
     invalid_expert_id_error,
     low_latency_only_buffer,
     padding_overflow_error,
+    staging_overflow_error,
 )
 from torch_defaults import pool_options
 
@@ -80,6 +82,30 @@ def test_interpreter_too_small_num_worst_tokens_raises_on_next_call(interpreter_
     messages = pool.run(padding_overflow_error)
     assert all("num_worst_tokens=4" in m and "received 16 rows" in m for m in messages), messages
     _check(pool, Case(seed=31, tokens=(9, 14), hidden=128, num_experts=8, num_topk=2))   # still usable
+
+
+def _check_row_guesses(pool: RankPool) -> None:
+    """Fresh dispatches of one shape: the first allocates after its counts, later ones before
+    them from the previous count plus slack; one that receives more stands down and is
+    launched again into exact outputs. Each round trip must be exact (checked per rank)."""
+    rows = pool.run(fresh_dispatch_storage_rows, (40, 30, 200, 190, 0, 64))
+    for per_call in rows:
+        received, storage, exact, released = zip(*per_call)
+        assert all(exact) and all(released), per_call
+        assert storage[0] == received[0], per_call                      # no history: exact
+        assert storage[1] > received[1] and storage[3] > received[3], per_call   # guessed, room to spare
+        assert storage[2] == received[2], per_call                      # more than the guess: relaunched
+        assert storage[4] > received[4] == 0, per_call
+
+
+def test_interpreter_fresh_dispatch_sized_before_counts(interpreter_pools) -> None:
+    _check_row_guesses(interpreter_pools(2))
+
+
+def test_interpreter_staging_overflow_raises_after_a_guessed_receive(interpreter_pools) -> None:
+    results = interpreter_pools(2).run(staging_overflow_error)
+    assert all("holds 496 rows" in message for message, _ in results), results
+    assert all(exact for _, exact in results), results
 
 
 def test_interpreter_low_latency_only_buffer(interpreter_pools) -> None:
@@ -174,11 +200,20 @@ def test_gpu_fresh_then_cached_dispatch_repeated(gpu_pool) -> None:
 
 @pytest.mark.gpu(min_gpus=1)
 def test_gpu_invalid_expert_id_raises_on_every_rank(gpu_pool) -> None:
-    messages = gpu_pool.run(invalid_expert_id_error)
-    assert all("outside [-1, num_experts)" in m for m in messages), messages
+    results = gpu_pool.run(invalid_expert_id_error)
+    assert all("outside [-1, num_experts)" in message for message, _ in results), results
+    assert all(exact for _, exact in results), results
     # The buffer stays usable after the refused call.
     _check(gpu_pool, Case(seed=99, tokens=_tokens(gpu_pool, 100, 50), hidden=2048,
                           num_experts=_experts(gpu_pool, 16), num_topk=4), nvl_bytes=1 << 30)
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_fresh_dispatch_sized_before_counts(gpu_pool) -> None:
+    _check_row_guesses(gpu_pool)
+    results = gpu_pool.run(staging_overflow_error)
+    assert all("holds 496 rows" in message for message, _ in results), results
+    assert all(exact for _, exact in results), results
 
 
 @pytest.mark.gpu(min_gpus=1)

@@ -21,7 +21,7 @@ On GPUs (one rank per GPU, NCCL) it measures, in one run and on the same routing
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). Times are medians of CUDA-event
 timings (``--iters``, 50 by default), the GPUs aligned by a small all-reduce, L2 flushed and the
-stream put to sleep for about 200 us before each call (the host enqueues the call meanwhile, so
+stream put to sleep for about 1 ms before each call (the host enqueues the call meanwhile, so
 the events time the GPU, as DeepEP's flush-then-call timing intends); every figure is the
 slowest rank's. The host's CPU time per call is reported beside them. On GPUs the main figures are
 taken in ``--rounds`` rounds (2 by default), tritonep and DeepEP in turn: each is the median over

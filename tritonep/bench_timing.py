@@ -22,12 +22,14 @@ def flush_l2() -> None:
     _L2_FLUSH[device].zero_()
 
 
-# GPU cycles the timed stream sleeps after the L2 flush, about 200 us at an H200's 1.98 GHz:
-# with the flush's own 65-85 us, the host's time to enqueue the timed call. A cached dispatch
-# costs a slow host 64-100 us and an EP8 combine issues copies for ~200 us
-# (docs/benchmarks/2026-11-24-h200x1-s6); without the sleep such host time showed up in the
-# GPU time whenever it outlasted the flush. The host's own time is reported in rows of its own.
-HEAD_START_CYCLES = 400_000
+# GPU cycles the timed stream sleeps after the L2 flush, about 1 ms at an H100's or H200's
+# 1.98 GHz: the host's time to enqueue the timed call, so that the events time the GPU, as in
+# a training step where the host runs ahead. A cached dispatch costs a slow host 64-130 us,
+# an EP8 combine issues copies for ~200 us, and a fresh dispatch enqueues its exchange and both
+# halves in 150-200 us on an H100 host (docs/benchmarks/2026-11-24-h200x1-s6,
+# 2026-11-24-h100x1-s8); with 200 us of sleep the fresh dispatch was still timed by its host.
+# The host's own time is reported in rows of its own.
+HEAD_START_CYCLES = 2_000_000
 
 
 def host_head_start() -> None:

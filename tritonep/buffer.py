@@ -342,6 +342,9 @@ class Buffer:
             handle: for combine and cached dispatch; element 0 is rank_prefix_matrix.
             event: the event to wait on when ``async_finish``.
             In cached mode recv_topk_idx, recv_topk_weights, the list and handle are None.
+            On the NVLink backend the outputs of a fresh dispatch may be views of the first M
+            rows of larger tensors (the previous call's M plus about 6%, allocated before the
+            counts were known; ``TRITONEP_RECEIVE_BEFORE_SYNC=0`` allocates exactly M rows).
         """
         self._check_alive()
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)

@@ -57,6 +57,8 @@ def round_up(value: int, multiple: int) -> int:
 
 def round_up_counts(counts: list[int], alignment: int) -> list[int]:
     """Round each count up to a multiple of ``alignment`` (the per-expert list of dispatch)."""
+    if alignment == 1:
+        return list(counts)
     return [(c + alignment - 1) // alignment * alignment for c in counts]
 
 

@@ -2,7 +2,9 @@
 
 Per normal-mode call the host does little: launch the send-plan/count-exchange kernel, read
 back the receive counts (the one host sync of a non-cached dispatch; none with
-``num_worst_tokens``), allocate outputs, and launch one dispatch or combine kernel. The
+``num_worst_tokens``), allocate outputs, and launch the dispatch's two halves or the combine.
+A fresh dispatch launches both halves before it reads the counts back (the receive half into
+outputs sized from the previous call), so the GPU does not wait for the host. The
 kernels are in this folder, one file each. Low-latency mode is ``low_latency.py``: its own
 symmetric allocation (``num_rdma_bytes``) and two kernels.
 """
@@ -49,7 +51,7 @@ _COMBINE = FastLauncher(combine_kernel, changing=(
 _DISPATCH = FastLauncher(dispatch_kernel, changing=(
     "x_ptr", "scales_ptr", "scale_token_stride", "scale_col_stride", "topk_idx_ptr", "topk_weights_ptr",
     "token_list_ptr", "token_list_stride", "prefix_ptr", "out_x_ptr", "out_scales_ptr", "out_idx_ptr",
-    "out_weights_ptr", "out_src_ptr", "num_out_rows", "epoch", "released_target"))
+    "out_weights_ptr", "out_src_ptr", "num_out_rows", "guard_word", "epoch", "released_target"))
 # Distinct per backend and kernel shapes (see ``NvlinkBackend.tuning``): part of every setup key.
 _LAUNCH_KEYS = itertools.count()
 
@@ -60,9 +62,11 @@ class SendPlan:
 
     token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
     send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
-    max_send_rows: int | None       # largest number of rows any rank sends (None if not read back)
-    counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d, when read back
-    combine_copies: list[tuple[int, int, int, int]] | None = None   # made by the first combine (CE path)
+    host_prefix: list[int] | None = None    # rank_prefix_matrix row-major, when read back
+    # Worked out from host_prefix by the first combine (not on the fresh dispatch's path):
+    counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
+    max_send_rows: int | None = None        # largest number of rows any rank sends
+    combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
 
 
 @dataclass
@@ -84,6 +88,7 @@ class _DispatchShape:
     send_setup: tuple
     receive_setup: tuple
     unused_outputs: tuple   # the send half's output arguments: placeholders of the right types
+    last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
 
     @property
     def row_bytes(self) -> int:
@@ -107,7 +112,7 @@ class _DispatchShape:
             x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, regions, senders,
             receivers, dict(constants, SEND=True), dict(constants, SEND=False), (backend._launch_key, key, True),
             (backend._launch_key, key, False),
-            (unused, unused, backend._placeholder(torch.int64), backend._placeholder(torch.float32), unused, 0))
+            (unused, unused, backend._placeholder(torch.int64), backend._placeholder(torch.float32), unused, 0, 0))
 
 
 class NvlinkBackend(Backend):
@@ -284,11 +289,12 @@ class NvlinkBackend(Backend):
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         """Count exchange (fresh dispatch), then two kernels: the send half on a side stream,
-        launched before the host reads the counts back, so rows move while the host sizes and
-        allocates the outputs; the receive half (own rows, then arrived rows into the outputs)
-        on the current stream, which the send half does not hold up. Once the counts are on
-        the host, only the allocations and the receive launch stand between them and the GPU:
-        the side stream's fork happens earlier, while the GPU still exchanges the counts."""
+        launched before the host reads the counts back, so rows move while the host waits; the
+        receive half (own rows, then arrived rows into the outputs) on the current stream,
+        which the send half does not hold up. A fresh dispatch of a shape seen before launches
+        the receive half before the read-back too, into outputs with room for the previous
+        call's rows and some slack, and returns views of their first rows; when more rows
+        arrive it stands down and is launched again into exact outputs."""
         self.check_status()
         x, scales = request.x, request.x_scales
         shape = self._dispatch_shape(request)
@@ -321,7 +327,7 @@ class NvlinkBackend(Backend):
                 (shape.x_words, shape.scale_words, num_topk, request.num_experts), self.invalid_ids,
                 self.notify_epoch, self.status, self.timeout_ns, self._mailbox, self._launch_key)
             prefix = result[: R * R].view(R, R)
-            plan = SendPlan(token_list, send_pos, None)
+            plan = SendPlan(token_list, send_pos)
             if request.num_worst_tokens > 0:
                 num_out_rows, per_expert = request.num_worst_tokens, []
                 self._remember_padding(request.num_worst_tokens)
@@ -341,43 +347,75 @@ class NvlinkBackend(Backend):
             _DISPATCH(shape.senders, shape.send_setup, inputs + shape.unused_outputs + rest, shape.send_constants,
                       t.warps)
 
+        def receive(rows: int, guard_word: int = 0) -> tuple[torch.Tensor, ...]:
+            outputs = self._dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0)
+            args = (outputs[0].view(torch.int32), outputs[1].view(torch.int32) if scales is not None else outputs[4],
+                    outputs[2] if has_topk else self._placeholder(torch.int64),
+                    outputs[3] if has_topk else self._placeholder(torch.float32), outputs[4], rows, guard_word)
+            _DISPATCH(shape.receivers, shape.receive_setup, inputs + args + rest, shape.receive_constants, t.warps)
+            return outputs
+
         # The send half runs on the side stream after the exchange (after everything queued on
         # the current stream so far), beside the receive half; one rank sends nothing.
         sends = R > 1
         if sends and (not reads_counts or t.send_before_sync):
             self._send_stream.fork([send])
         if reads_counts:
+            guess = self._guess_rows(shape)
+            # Into outputs of a guessed size, the receive half follows the exchange on the GPU
+            # without waiting for the host; it stands down if the counts call for an error or
+            # for more rows (its guard reads the exchange's check words, after the per-expert
+            # counts at the end of ``result``).
+            outputs = receive(guess, result.numel() - 2) if guess is not None else None
             host = self._wait_counts(shape)
-            num_out_rows = host[R * (R - 1) + self.rank]
+            num_out_rows = shape.last_fresh_rows = host[R * (R - 1) + self.rank]
             if sends and not t.send_before_sync:
                 self._send_stream.fork([send])
-        device = self._device
-        recv_x = torch.empty(num_out_rows, x.shape[1], dtype=x.dtype, device=device)
-        recv_scales = None if scales is None else torch.empty(num_out_rows, shape.scale_words, dtype=scales.dtype,
-                                                              device=device)
-        recv_idx = torch.empty(num_out_rows, num_topk, dtype=torch.int64, device=device) if has_topk else None
-        recv_weights = torch.empty(num_out_rows, num_topk, dtype=torch.float32, device=device) if has_topk else None
-        recv_src = torch.empty(num_out_rows, dtype=torch.int32, device=device)
-        outputs = (recv_x.view(torch.int32), recv_scales.view(torch.int32) if scales is not None else recv_src,
-                   recv_idx if has_topk else self._placeholder(torch.int64),
-                   recv_weights if has_topk else self._placeholder(torch.float32), recv_src, num_out_rows)
-
-        if request.num_worst_tokens > 0:   # rows past the received ones stay empty
-            recv_src.fill_(-1)
-            if has_topk:
-                recv_idx.fill_(-1)
-                recv_weights.zero_()
-        _DISPATCH(shape.receivers, shape.receive_setup, inputs + outputs + rest, shape.receive_constants, t.warps)
+            if outputs is not None and num_out_rows <= guess:
+                outputs = tuple(None if out is None else out[:num_out_rows] for out in outputs)
+            else:
+                outputs = receive(num_out_rows)
+        else:
+            outputs = receive(num_out_rows)
         self._send_stream.join()   # later work on the current stream (and the allocator) waits for the send
         self.dispatch_released += shape.receivers
+        recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
         if reads_counts:   # host bookkeeping, after the launch
-            plan.counts = count_rows_from_prefix(host[: R * R], R)
-            plan.max_send_rows = max(map(sum, plan.counts))
+            plan.host_prefix = host[: R * R]
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
         if handle is None:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
+
+    def _guess_rows(self, shape: _DispatchShape) -> int | None:
+        """Rows to allocate for a fresh dispatch before its counts are known: the previous
+        fresh dispatch's count of this shape with some room, at most what staging holds; None
+        (allocate after the read-back) for the first one, or when the tuning says so."""
+        last, t = shape.last_fresh_rows, self.tuning
+        # (Not when the send half waits for the read-back: it would queue behind this receive,
+        # which waits for the peers' send halves, queued behind their receives.)
+        if last is None or not t.receive_before_sync or not t.send_before_sync:
+            return None
+        return min(shape.capacity, last + int(last * t.fresh_slack) + 64)
+
+    def _dispatch_outputs(self, x: torch.Tensor, scales: torch.Tensor | None, shape: _DispatchShape, has_topk: bool,
+                          rows: int, pad: bool) -> tuple[torch.Tensor | None, ...]:
+        """(recv_x, recv_scales, recv_idx, recv_weights, recv_src) of ``rows`` rows; rows past
+        what arrives (``num_worst_tokens``) read as empty: source -1, expert -1, weight 0."""
+        device = self._device
+        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
+        recv_scales = None if scales is None else torch.empty(rows, shape.scale_words, dtype=scales.dtype,
+                                                              device=device)
+        recv_idx = torch.empty(rows, shape.num_topk, dtype=torch.int64, device=device) if has_topk else None
+        recv_weights = torch.empty(rows, shape.num_topk, dtype=torch.float32, device=device) if has_topk else None
+        recv_src = torch.empty(rows, dtype=torch.int32, device=device)
+        if pad:
+            recv_src.fill_(-1)
+            if has_topk:
+                recv_idx.fill_(-1)
+                recv_weights.zero_()
+        return recv_x, recv_scales, recv_idx, recv_weights, recv_src
 
     def _mailbox_result(self, epoch: int, words: int, what: str) -> list[int]:
         """The result words of count exchange ``epoch`` from the host mailbox, once its flag shows
@@ -426,6 +464,9 @@ class NvlinkBackend(Backend):
         num_tokens = handle.is_token_in_rank.shape[0]
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         capacity, regions = self._combine_regions(hidden, num_topk)
+        if plan.counts is None and plan.host_prefix is not None:
+            plan.counts = count_rows_from_prefix(plan.host_prefix, self.num_ranks)
+            plan.max_send_rows = max(map(sum, plan.counts))
         if plan.max_send_rows is not None and plan.max_send_rows > capacity:
             raise InputError(f"combine would return {plan.max_send_rows} rows to one rank but the NVLink buffer "
                              f"holds {capacity} rows of hidden {hidden}; make the Buffer with more num_nvl_bytes")

@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .launcher import FastLauncher, current_stream
 from .memory import MAX_CHANNELS
+from .rows import block_count, block_start
 from .sync import GPU_KERNELS, fence_system, publish
 
 
@@ -60,31 +61,25 @@ def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
 _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_index", "value"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weights, rank,
-                           NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
-                           BLOCK: tl.constexpr, GPU: tl.constexpr):
+                           NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr):
     """Program p pushes the top-k weights of the rows this rank returns to peer
     (rank + 1 + p) % R into that peer's combine staging, at the rows' staging positions.
 
-    The block's place follows from ``rank_prefix_matrix`` (prefix[s][d]: rows rank d received
-    from ranks 0..s): in our ``x`` the peer's rows start at prefix[peer - 1][rank]; in the
-    peer's staging they follow the rows it got back from lower expert ranks, the sum over
-    e < rank of what it sent to e. The same arithmetic as ``combine_copies`` on the host.
+    In our ``x`` (dispatch's output) the peer's rows are its block of ``rank_prefix_matrix``;
+    in the peer's staging they follow the rows it got back from lower expert ranks, the sum
+    over e < rank of what it sent to e. The same arithmetic as ``combine_copies`` on the host.
     """
     peer = (rank + 1 + tl.program_id(0)) % NUM_RANKS
-    ranks = tl.arange(0, RANKS_PAD)
-    valid = ranks < NUM_RANKS
-    received = tl.load(prefix_ptr + ranks * NUM_RANKS + rank, mask=valid, other=0)   # prefix[s][rank]
-    end = tl.sum(tl.where(ranks == peer, received, 0))
-    start = tl.sum(tl.where(ranks == peer - 1, received, 0))
-    sent = tl.load(prefix_ptr + peer * NUM_RANKS + ranks, mask=valid, other=0)        # prefix[peer][e]
-    sent -= tl.load(prefix_ptr + (peer - 1) * NUM_RANKS + ranks, mask=valid & (peer > 0), other=0)
-    offset = tl.sum(tl.where(ranks < rank, sent, 0))
+    start = block_start(prefix_ptr, peer, rank, NUM_RANKS)
+    total = block_count(prefix_ptr, peer, rank, NUM_RANKS) * NUM_TOPK
+    offset = start * 0
+    for e in range(0, rank):
+        offset += block_count(prefix_ptr, peer, e, NUM_RANKS)
     peer_base = tl.load(peer_base_ptrs + peer)
     src = weights_ptr + start.to(tl.int64) * NUM_TOPK
     dst = (peer_base + staging_weights).to(tl.pointer_type(tl.float32)) + offset.to(tl.int64) * NUM_TOPK
-    total = (end - start) * NUM_TOPK
     for e0 in range(0, total, BLOCK):
         elements = e0 + tl.arange(0, BLOCK)
         mask = elements < total
@@ -116,8 +111,7 @@ def push_combine_weights(topk_weights: torch.Tensor, rank_prefix_matrix: torch.T
     num_topk = topk_weights.shape[1]
     _WEIGHTS(num_ranks - 1, (owner, staging_weights, num_topk),
              (topk_weights, rank_prefix_matrix, peer_base_ptrs, staging_weights, rank),
-             lambda: dict(NUM_RANKS=num_ranks, RANKS_PAD=1 << (num_ranks - 1).bit_length(), NUM_TOPK=num_topk,
-                          BLOCK=1024, GPU=GPU_KERNELS), 4)
+             lambda: dict(NUM_RANKS=num_ranks, NUM_TOPK=num_topk, BLOCK=1024, GPU=GPU_KERNELS), 4)
 
 
 def driver_memory_operations(device: torch.device) -> Any:

@@ -13,7 +13,9 @@ The kernel runs as two launches (``SEND``), which the backend puts on two stream
   host sizes and allocates the outputs.
 * **The receive half** (``NUM_RECEIVERS`` programs) gathers our own rows from ``x`` into the
   outputs, then follows the peers' progress counters, channel by channel, and copies arrived
-  rows from staging into the outputs, overlapping the transfer.
+  rows from staging into the outputs, overlapping the transfer. A fresh dispatch launches it
+  too before the host has the counts, into outputs of a guessed size (``guard_word``): it then
+  stands down when the host will raise or relaunch instead (``_receive_goes_ahead``).
 
 Staging is reused by the next call, so before writing to a peer a sender waits until all
 receiver programs of that peer finished the previous call: each receiver program adds one to
@@ -80,12 +82,31 @@ def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scal
         publish(tail, stamp + hi - lo)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "capacity",
-                               "timeout_ns", "scale_words", "token_list_stride"])
+@triton.jit
+def _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NUM_RANKS: tl.constexpr):
+    """Whether a receive launched before the host read the counts may run. ``guard_word`` (0:
+    no guard) indexes, past ``rank_prefix_matrix`` in the exchange's result, its two check
+    words (ranks that disagree, out-of-range ids). The host raises if either is set or if any
+    rank receives more rows than staging holds, and relaunches if this rank receives more
+    rows than the guessed outputs hold: in each case this launch copies and releases nothing,
+    so the staging accounting (``released_target``) counts only the launch that runs."""
+    go = guard_word == 0
+    if guard_word > 0:
+        received = prefix_ptr + (NUM_RANKS - 1) * NUM_RANKS   # the last row: rows each rank receives
+        most = tl.load(received)
+        for destination in tl.static_range(1, NUM_RANKS):
+            most = tl.maximum(most, tl.load(received + destination))
+        problems = tl.load(prefix_ptr + guard_word) + tl.load(prefix_ptr + guard_word + 1)
+        go = (problems == 0) & (most <= capacity) & (tl.load(received + rank) <= num_out_rows)
+    return go
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "guard_word",
+                               "capacity", "timeout_ns", "scale_words", "token_list_stride"])
 def dispatch_kernel(
     x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride,
     topk_idx_ptr, topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr,
-    out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows,
+    out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows, guard_word,
     peer_base_ptrs, staging_x, staging_scales, staging_idx, staging_weights, staging_src, capacity,
     rank, epoch, released_target, experts_per_rank, status_ptr, timeout_ns,
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
@@ -118,7 +139,7 @@ def dispatch_kernel(
                        (peer_base + staging_src).to(tl.pointer_type(tl.int32)),
                        peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid, stamp,
                        True, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, ROWS, BLOCK, SIGNAL_EVERY)
-    else:
+    elif _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NUM_RANKS):
         # Our own rows first (no wait: straight from x into the outputs), then the arrived rows.
         start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
         lo, hi = channel_range(block_count(prefix_ptr, rank, rank, NUM_RANKS), pid, NUM_RECEIVERS)

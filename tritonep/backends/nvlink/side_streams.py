@@ -63,7 +63,7 @@ class PeerStreams:
 
     def join(self) -> None:
         """The current stream waits for every job forked since the last ``join``."""
-        if self._gpu:
+        if self._gpu and self._forked:
             stream = current_stream()
             for done in self._done[: self._forked]:
                 stream.wait_event(done)

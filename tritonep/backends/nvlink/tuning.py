@@ -38,6 +38,12 @@ class Tuning:
     # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
     # as one would without the overlap; for A/B runs).
     send_before_sync: bool = os.environ.get("TRITONEP_SEND_BEFORE_SYNC", "1") == "1"
+    # Fresh dispatch: also launch the receive half before the counts come back, into outputs
+    # sized from the previous fresh dispatch of the same shape plus this fraction and 64 rows
+    # (the returned tensors are views of the first rows; a larger count relaunches it exactly).
+    # False: allocate after the read-back (exact outputs, the host on the GPU's critical path).
+    receive_before_sync: bool = os.environ.get("TRITONEP_RECEIVE_BEFORE_SYNC", "1") == "1"
+    fresh_slack: float = float(os.environ.get("TRITONEP_FRESH_SLACK", "0.0625"))
 
 
 def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
