@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -177,6 +178,8 @@ def _round_trip(buffer: deep_ep.Buffer, num_tokens: int, hidden: int, seed: int,
     scores = torch.rand(num_tokens, num_experts, **cpu32)
     if routing == "one_rank":
         scores[:, 4:] = -1.0
+    elif routing == "skewed":
+        scores[:, :2] += 2.0   # most tokens pick rank 0's first experts
     if topk_idx is None:
         topk_idx = scores.topk(2, dim=1).indices.to(device)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
@@ -247,6 +250,23 @@ def staging_overflow_error(group: dist.ProcessGroup) -> tuple[str, bool]:
                _round_trip(buffer, 90, 1024, seed=9)[1]]
     buffer.destroy()
     return message, all(checks)
+
+
+def fresh_dispatch_sequence(group: dist.ProcessGroup, seed: int, calls: int, nvl_bytes: int = 1 << 24) -> list[str]:
+    """Fresh dispatches of one shape back to back, each rank with its own random token count
+    and the routing random, skewed or all to rank 0 per call: the outputs' guess from the
+    previous call fits, overflows or is far too large in turn. Returns the calls whose round
+    trip was not exact or whose staging accounting was off (empty: all good)."""
+    nvlink, _ = _buffers(group, nvl_bytes)
+    failures = []
+    for call in range(calls):
+        rng = random.Random(seed * 1000 + call)   # the same choices on every rank
+        counts = [rng.choice([0, 1, 17, 64, 200, 333]) for _ in range(group.size())]
+        routing = rng.choice(["random", "skewed", "one_rank"])
+        recv_x, exact = _round_trip(nvlink, counts[group.rank()], 128, seed=seed + call, routing=routing)
+        if not (exact and staging_released_exactly(group, nvlink)):
+            failures.append(f"call {call} ({counts}, {routing}): exact={exact}")
+    return failures
 
 
 def fresh_dispatch_storage_rows(group: dist.ProcessGroup, token_counts: tuple[int, ...],

@@ -18,6 +18,7 @@ from nvlink_cases import (
     Case,
     compare_case,
     fresh_dispatch_in_graph_error,
+    fresh_dispatch_sequence,
     fresh_dispatch_storage_rows,
     invalid_expert_id_error,
     low_latency_only_buffer,
@@ -100,6 +101,13 @@ def _check_row_guesses(pool: RankPool) -> None:
 
 def test_interpreter_fresh_dispatch_sized_before_counts(interpreter_pools) -> None:
     _check_row_guesses(interpreter_pools(2))
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_interpreter_fresh_dispatch_sequence(interpreter_pools, num_ranks: int) -> None:
+    """Random token counts and routings back to back: guesses that fit and that overflow."""
+    failures = interpreter_pools(num_ranks).run(fresh_dispatch_sequence, 70 + num_ranks, 12)
+    assert not any(failures), failures
 
 
 def test_interpreter_staging_overflow_raises_after_a_guessed_receive(interpreter_pools) -> None:
@@ -214,6 +222,12 @@ def test_gpu_fresh_dispatch_sized_before_counts(gpu_pool) -> None:
     results = gpu_pool.run(staging_overflow_error)
     assert all("holds 496 rows" in message for message, _ in results), results
     assert all(exact for _, exact in results), results
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_fresh_dispatch_sequence(gpu_pool) -> None:
+    failures = gpu_pool.run(fresh_dispatch_sequence, 80, 40)
+    assert not any(failures), failures
 
 
 @pytest.mark.gpu(min_gpus=1)
