@@ -15,10 +15,10 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import triton
 
 from ...checks import InputError
 from ...config import Config
@@ -34,6 +34,7 @@ from .combine_copy_engine import (
 )
 from .combine_kernel import combine_kernel
 from .dispatch_kernel import dispatch_kernel
+from .dispatch_shape import DispatchShape, SendPlan, dispatch_outputs, guess_rows
 from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
@@ -44,7 +45,7 @@ from .sync import GPU_KERNELS, INTERPRET, timeout_error
 from .tuning import Tuning, split_programs, tile_block, tile_shape
 
 # A launch converts only these arguments per call; the others are fixed by the backend and
-# the call's shape, which the setup key stands for (``_DispatchShape``, ``combine``).
+# the call's shape, which the setup key stands for (``DispatchShape``, ``combine``).
 _COMBINE = FastLauncher(combine_kernel, changing=(
     "x_ptr", "x_words_ptr", "weights_ptr", "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "bias0_ptr",
     "bias1_ptr", "out_ptr", "out_weights_ptr", "num_tokens", "epoch", "released_target"))
@@ -54,65 +55,6 @@ _DISPATCH = FastLauncher(dispatch_kernel, changing=(
     "out_weights_ptr", "out_src_ptr", "num_out_rows", "guard_word", "epoch", "released_target"))
 # Distinct per backend and kernel shapes (see ``NvlinkBackend.tuning``): part of every setup key.
 _LAUNCH_KEYS = itertools.count()
-
-
-@dataclass
-class SendPlan:
-    """What a cached dispatch and the combine reuse from the dispatch that made the handle."""
-
-    token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
-    send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
-    host_prefix: list[int] | None = None    # rank_prefix_matrix row-major, when read back
-    # Worked out from host_prefix by the first combine (not on the fresh dispatch's path):
-    counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
-    max_send_rows: int | None = None        # largest number of rows any rank sends
-    combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
-
-
-@dataclass
-class _DispatchShape:
-    """What every dispatch of one shape (x dtype and hidden, scales, top-k, experts, num_sms)
-    shares, worked out once per backend and tuning: the staging layout, the program split, the
-    kernel constants and the launches' setup keys."""
-
-    x_words: int
-    scale_words: int
-    num_topk: int
-    experts_per_rank: int
-    capacity: int
-    regions: list[int]
-    senders: int
-    receivers: int
-    send_constants: dict
-    receive_constants: dict
-    send_setup: tuple
-    receive_setup: tuple
-    unused_outputs: tuple   # the send half's output arguments: placeholders of the right types
-    last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
-
-    @property
-    def row_bytes(self) -> int:
-        return 4 * self.x_words
-
-    @staticmethod
-    def make(backend: NvlinkBackend, key: tuple, x_words: int, scale_words: int, num_topk: int, num_experts: int,
-             num_sms: int) -> _DispatchShape:
-        R, t = backend.num_ranks, backend.tuning
-        row_bytes = 4 * x_words
-        capacity, regions = backend._dispatch_regions(x_words, scale_words, num_topk)
-        senders, receivers = split_programs(num_sms, t.sender_fraction)
-        constants = dict(
-            TAIL_WORD=backend.memory.signals.dispatch_tail, DONE_WORD=backend.memory.signals.dispatch_done,
-            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
-            HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
-            TOPK_PAD=_pow2(max(num_topk, 1)), GPU=GPU_KERNELS, **tile_shape(t.rows, row_bytes))
-        constants["BLOCK"] = tile_block(t.block, constants["ROWS"], x_words)
-        unused = backend._placeholder(torch.int32)
-        return _DispatchShape(
-            x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, regions, senders,
-            receivers, dict(constants, SEND=True), dict(constants, SEND=False), (backend._launch_key, key, True),
-            (backend._launch_key, key, False),
-            (unused, unused, backend._placeholder(torch.int64), backend._placeholder(torch.float32), unused, 0, 0))
 
 
 class NvlinkBackend(Backend):
@@ -138,7 +80,7 @@ class NvlinkBackend(Backend):
         # every peer's done counter, so a sender knows when the staging it writes is free again.
         self.dispatch_released = 0
         self.combine_released = 0
-        self._dispatch_shapes: dict[tuple, _DispatchShape] = {}
+        self._dispatch_shapes: dict[tuple, DispatchShape] = {}
         self.tuning = Tuning()
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         # A num_worst_tokens dispatch does not sync, so whether its padding was large enough is
@@ -271,7 +213,7 @@ class NvlinkBackend(Backend):
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.invalid_ids)
 
-    def _dispatch_shape(self, request: DispatchRequest) -> _DispatchShape:
+    def _dispatch_shape(self, request: DispatchRequest) -> DispatchShape:
         """The shape of this call's dispatch, worked out on the first call of its kind."""
         x, scales = request.x, request.x_scales
         num_topk = request.topk_idx.shape[1] if request.topk_idx is not None else 0
@@ -283,7 +225,7 @@ class NvlinkBackend(Backend):
             if row_bytes % 4:
                 raise InputError(f"the NVLink backend moves rows in 4-byte words; hidden={x.shape[1]} of {x.dtype} "
                                  f"gives {row_bytes} bytes")
-            shape = self._dispatch_shapes[key] = _DispatchShape.make(
+            shape = self._dispatch_shapes[key] = DispatchShape.make(
                 self, key, row_bytes // 4, scale_words, num_topk, request.num_experts, request.config.num_sms)
         return shape
 
@@ -348,7 +290,7 @@ class NvlinkBackend(Backend):
                       t.warps)
 
         def receive(rows: int, guard_word: int = 0) -> tuple[torch.Tensor, ...]:
-            outputs = self._dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0)
+            outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self._device)
             args = (outputs[0].view(torch.int32), outputs[1].view(torch.int32) if scales is not None else outputs[4],
                     outputs[2] if has_topk else self._placeholder(torch.int64),
                     outputs[3] if has_topk else self._placeholder(torch.float32), outputs[4], rows, guard_word)
@@ -361,7 +303,7 @@ class NvlinkBackend(Backend):
         if sends and (not reads_counts or t.send_before_sync):
             self._send_stream.fork([send])
         if reads_counts:
-            guess = self._guess_rows(shape)
+            guess = guess_rows(shape, t)
             # Into outputs of a guessed size, the receive half follows the exchange on the GPU
             # without waiting for the host; it stands down if the counts call for an error or
             # for more rows (its guard reads the exchange's check words, after the per-expert
@@ -388,35 +330,6 @@ class NvlinkBackend(Backend):
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
 
-    def _guess_rows(self, shape: _DispatchShape) -> int | None:
-        """Rows to allocate for a fresh dispatch before its counts are known: the previous
-        fresh dispatch's count of this shape with some room, at most what staging holds; None
-        (allocate after the read-back) for the first one, or when the tuning says so."""
-        last, t = shape.last_fresh_rows, self.tuning
-        # (Not when the send half waits for the read-back: it would queue behind this receive,
-        # which waits for the peers' send halves, queued behind their receives.)
-        if last is None or not t.receive_before_sync or not t.send_before_sync:
-            return None
-        return min(shape.capacity, last + int(last * t.fresh_slack) + 64)
-
-    def _dispatch_outputs(self, x: torch.Tensor, scales: torch.Tensor | None, shape: _DispatchShape, has_topk: bool,
-                          rows: int, pad: bool) -> tuple[torch.Tensor | None, ...]:
-        """(recv_x, recv_scales, recv_idx, recv_weights, recv_src) of ``rows`` rows; rows past
-        what arrives (``num_worst_tokens``) read as empty: source -1, expert -1, weight 0."""
-        device = self._device
-        recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
-        recv_scales = None if scales is None else torch.empty(rows, shape.scale_words, dtype=scales.dtype,
-                                                              device=device)
-        recv_idx = torch.empty(rows, shape.num_topk, dtype=torch.int64, device=device) if has_topk else None
-        recv_weights = torch.empty(rows, shape.num_topk, dtype=torch.float32, device=device) if has_topk else None
-        recv_src = torch.empty(rows, dtype=torch.int32, device=device)
-        if pad:
-            recv_src.fill_(-1)
-            if has_topk:
-                recv_idx.fill_(-1)
-                recv_weights.zero_()
-        return recv_x, recv_scales, recv_idx, recv_weights, recv_src
-
     def _mailbox_result(self, epoch: int, words: int, what: str) -> list[int]:
         """The result words of count exchange ``epoch`` from the host mailbox, once its flag shows
         the exchange done (the host sync of a fresh dispatch). The poll is bounded: past the
@@ -437,7 +350,7 @@ class NvlinkBackend(Backend):
             raise timeout_error(code, self.rank, self.timeout_ns, what)
         return box[MAILBOX_HEADER: MAILBOX_HEADER + words].tolist()
 
-    def _wait_counts(self, shape: _DispatchShape) -> list[int]:
+    def _wait_counts(self, shape: DispatchShape) -> list[int]:
         """The counts of this fresh dispatch's exchange, checked on every rank alike: the
         mailbox words (``rank_prefix_matrix`` row-major, the per-local-expert counts, the
         disagreeing ranks, the out-of-range ids)."""
@@ -488,11 +401,12 @@ class NvlinkBackend(Backend):
         def constants(senders: int, reducers: int, channels: int) -> Callable[[], dict]:
             def make() -> dict:
                 shape = tile_shape(t.rows, 2 * hidden)
+                pow2 = triton.next_power_of_2
                 return dict(
                     TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
-                    MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=_pow2(R), HAS_WEIGHTS=topk_weights is not None,
-                    NUM_TOPK=max(num_topk, 1), TOPK_PAD=_pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-                    HAS_BIAS1=bias[1] is not None, BLOCK=min(_pow2(hidden), t.combine_block), TOKENS=t.tokens,
+                    MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
+                    NUM_TOPK=max(num_topk, 1), TOPK_PAD=pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
+                    HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block), TOKENS=t.tokens,
                     STAGE=t.stage, GPU=GPU_KERNELS, COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
                     NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=channels, **shape)
             return make
@@ -558,9 +472,3 @@ class NvlinkBackend(Backend):
         if self._low_latency is not None:
             self._low_latency.release()
 
-
-def _pow2(value: int) -> int:
-    result = 1
-    while result < value:
-        result *= 2
-    return result

@@ -1,0 +1,108 @@
+"""What a normal-mode dispatch works out once per call shape, and what its handle carries.
+
+``DispatchShape``: everything dispatches of one (x dtype and hidden, scales, top-k, experts,
+num_sms) share: the staging layout, the program split, the kernel constants, the launches'
+setup keys, and the rows the latest fresh dispatch of the shape received, from which the next
+one sizes its outputs before its counts are known (``guess_rows``). ``SendPlan``: what a cached
+dispatch and the combine reuse from the dispatch that made the handle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+
+from .memory import MAX_CHANNELS
+from .sync import GPU_KERNELS
+from .tuning import Tuning, split_programs, tile_block, tile_shape
+
+if TYPE_CHECKING:
+    from .backend import NvlinkBackend
+
+
+@dataclass
+class SendPlan:
+    """What a cached dispatch and the combine reuse from the dispatch that made the handle."""
+
+    token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
+    send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
+    host_prefix: list[int] | None = None    # rank_prefix_matrix row-major, when read back
+    # Worked out from host_prefix by the first combine (not on the fresh dispatch's path):
+    counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
+    max_send_rows: int | None = None        # largest number of rows any rank sends
+    combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
+
+
+@dataclass
+class DispatchShape:
+    """What every dispatch of one shape shares, worked out once per backend and tuning."""
+
+    x_words: int
+    scale_words: int
+    num_topk: int
+    experts_per_rank: int
+    capacity: int
+    regions: list[int]
+    senders: int
+    receivers: int
+    send_constants: dict
+    receive_constants: dict
+    send_setup: tuple
+    receive_setup: tuple
+    unused_outputs: tuple   # the send half's output arguments: placeholders of the right types
+    last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * self.x_words
+
+    @staticmethod
+    def make(backend: NvlinkBackend, key: tuple, x_words: int, scale_words: int, num_topk: int, num_experts: int,
+             num_sms: int) -> DispatchShape:
+        R, t = backend.num_ranks, backend.tuning
+        capacity, regions = backend._dispatch_regions(x_words, scale_words, num_topk)
+        senders, receivers = split_programs(num_sms, t.sender_fraction)
+        constants = dict(
+            TAIL_WORD=backend.memory.signals.dispatch_tail, DONE_WORD=backend.memory.signals.dispatch_done,
+            MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
+            HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
+            TOPK_PAD=triton.next_power_of_2(max(num_topk, 1)), GPU=GPU_KERNELS, **tile_shape(t.rows, 4 * x_words))
+        constants["BLOCK"] = tile_block(t.block, constants["ROWS"], x_words)
+        unused = backend._placeholder(torch.int32)
+        return DispatchShape(
+            x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, regions, senders,
+            receivers, dict(constants, SEND=True), dict(constants, SEND=False), (backend._launch_key, key, True),
+            (backend._launch_key, key, False),
+            (unused, unused, backend._placeholder(torch.int64), backend._placeholder(torch.float32), unused, 0, 0))
+
+
+def guess_rows(shape: DispatchShape, tuning: Tuning) -> int | None:
+    """Rows to allocate for a fresh dispatch before its counts are known: the previous fresh
+    dispatch's count of this shape with some room, at most what staging holds; None (allocate
+    after the read-back) for the first one, or when the tuning says so."""
+    last, t = shape.last_fresh_rows, tuning
+    # (Not when the send half waits for the read-back: it would queue behind this receive,
+    # which waits for the peers' send halves, queued behind their receives.)
+    if last is None or not t.receive_before_sync or not t.send_before_sync:
+        return None
+    return min(shape.capacity, last + int(last * t.fresh_slack) + 64)
+
+
+def dispatch_outputs(x: torch.Tensor, scales: torch.Tensor | None, shape: DispatchShape, has_topk: bool, rows: int,
+                     pad: bool, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    """(recv_x, recv_scales, recv_idx, recv_weights, recv_src) of ``rows`` rows; with ``pad``
+    (``num_worst_tokens``) rows past what arrives read as empty: source -1, expert -1, weight 0."""
+    recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
+    recv_scales = None if scales is None else torch.empty(rows, shape.scale_words, dtype=scales.dtype, device=device)
+    recv_idx = torch.empty(rows, shape.num_topk, dtype=torch.int64, device=device) if has_topk else None
+    recv_weights = torch.empty(rows, shape.num_topk, dtype=torch.float32, device=device) if has_topk else None
+    recv_src = torch.empty(rows, dtype=torch.int32, device=device)
+    if pad:
+        recv_src.fill_(-1)
+        if has_topk:
+            recv_idx.fill_(-1)
+            recv_weights.zero_()
+    return recv_x, recv_scales, recv_idx, recv_weights, recv_src
