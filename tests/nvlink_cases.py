@@ -169,24 +169,21 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
 
 def _round_trip(buffer: deep_ep.Buffer, num_tokens: int, hidden: int, seed: int, routing: str = "random",
                 topk_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-    """A fresh dispatch of bf16 rows (top-2 of 4 experts per rank) and a combine of the rows as
-    received: every rank a token reached returns it unchanged, so the combined row must be the
-    token times that count. Returns (recv_x, whether it was). ``topk_idx`` overrides the routing."""
-    num_experts, device, rank = 4 * buffer.group_size, buffer.device, buffer.rank
-    cpu32 = dict(generator=torch.Generator().manual_seed(seed * 100 + rank), dtype=torch.float32, device="cpu")
-    x = torch.randn(num_tokens, hidden, **cpu32).to(torch.bfloat16).to(device)
-    scores = torch.rand(num_tokens, num_experts, **cpu32)
-    if routing == "one_rank":
-        scores[:, 4:] = -1.0
-    elif routing == "skewed":
-        scores[:, :2] += 2.0   # most tokens pick rank 0's first experts
+    """A fresh dispatch of bf16 rows (``make_inputs``: top-2 of 4 experts per rank, ``routing``)
+    and a combine of the rows as received: every rank a token reached returns it unchanged, so
+    the combined row must be the token times that count. Returns (recv_x, whether it was).
+    ``topk_idx`` overrides the routing."""
+    R, device = buffer.group_size, buffer.device
+    # make_inputs reads only this rank's entry of ``tokens`` (ranks may pass different counts).
+    case = Case(seed=seed, tokens=(num_tokens,) * R, hidden=hidden, num_experts=4 * R, num_topk=2, routing=routing)
+    inputs = make_inputs(case, buffer.rank, R)
+    x, topk_weights = inputs["x"].to(device), inputs["topk_weights"].to(device)
     if topk_idx is None:
-        topk_idx = scores.topk(2, dim=1).indices.to(device)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        topk_idx = inputs["topk_idx"].to(device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
     recv_x, _, _, _, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=torch.ones(num_tokens, 2, dtype=torch.float32, device=device),
-        config=deep_ep.Config(4))
+        topk_idx=topk_idx, topk_weights=topk_weights, config=deep_ep.Config(4))
     combined = buffer.combine(recv_x, handle, config=deep_ep.Config(4))[0]
     expected = x.float() * in_rank.sum(dim=1, keepdim=True).float()
     return recv_x, bool(torch.allclose(combined.float(), expected, rtol=1e-2, atol=1e-2))
