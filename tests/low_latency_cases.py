@@ -68,6 +68,22 @@ def buffers(group: dist.ProcessGroup, rdma_bytes: int, shrink: bool = False) -> 
     return _state[f"{key} nvlink"], _state[f"{key} cpu"]
 
 
+def release_buffers(group: dist.ProcessGroup) -> None:
+    """Drop the Buffers ``buffers`` keeps on this rank and give their GPU memory back, so that a
+    second pool can start beside this one: with 8 ranks sharing one GPU the kept Buffers fill it.
+    The next ``buffers`` call makes new ones."""
+    import gc
+
+    for key in [key for key in _state if key != "gloo"]:
+        del _state[key]
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        dist.barrier(group=group)   # every rank dropped its mappings of the others' memory
+        torch.cuda.ipc_collect()    # shared GPUs: memory other ranks had mapped (CUDA IPC)
+        torch.cuda.empty_cache()
+
+
 def set_masks(buffer: deep_ep.Buffer, ranks) -> None:
     """Mask exactly ``ranks`` on ``buffer`` (public API, queued on the current stream)."""
     buffer.low_latency_clean_mask_buffer()

@@ -264,6 +264,30 @@ def test_errors_on_every_rank(trio: RankPool, name: str) -> None:
     assert trio.run(zero_qps_in_normal_mode) == [True] * 3   # the ranks are in step: nothing hung
 
 
+def different_arguments(group, name: str) -> str:
+    """Rank 1 builds its Buffer with another ``name`` than the others; returns this rank's error."""
+    kwargs = {"num_nvl_bytes": 1 << 20, "num_rdma_bytes": 1 << 20, "low_latency_mode": True}
+    if group.rank() == 1:
+        kwargs[name] = {"num_nvl_bytes": 2 << 20, "num_rdma_bytes": 3 << 20, "low_latency_mode": False,
+                        "explicitly_destroy": True, "enable_shrink": True}[name]
+    try:
+        deep_ep.Buffer(group, **kwargs)
+    except deep_ep.InputError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("name", ["num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "explicitly_destroy",
+                                  "enable_shrink"])
+def test_ranks_given_different_arguments_all_raise(trio: RankPool, name: str) -> None:
+    """Ranks that would lay out shared memory differently (or take different collective paths)
+    raise on every rank, naming the argument and each rank's value."""
+    messages = trio.run(different_arguments, name)
+    assert all(f"Buffer needs the same {name} on every rank" in m for m in messages), messages
+    assert all("rank 0 " in m and "rank 1 " in m for m in messages), messages
+    assert trio.run(zero_qps_in_normal_mode) == [True] * 3   # the ranks are in step: nothing hung
+
+
 def test_comm_over_the_whole_world(trio: RankPool) -> None:
     for rank, (buffer_rank, comm_rank, size, keeps_comm, ranks, ok) in enumerate(trio.run(buffer_from_comm)):
         assert (buffer_rank, comm_rank, size, keeps_comm, ranks, ok) == (rank, rank, 3, True, [0, 1, 2], True)
@@ -338,6 +362,42 @@ def test_nvlink_backend_options(interpreter_pools) -> None:
         assert "use_fabric=True" in fabric and "fabric handles" in fabric
         assert "allow_nvlink_for_low_latency_mode=False" in nvlink_only and "no other path" in nvlink_only
         assert built == "NvlinkBackend"
+
+
+def one_rank_out_of_address_space(group) -> tuple[str, list[str], bool]:
+    """Rank 1 lowers its address-space limit (RLIMIT_AS) below what mapping the ranks' shared
+    memory needs, so that step really fails there and only there. Returns (this rank's error, the
+    pool's files left in /dev/shm, whether a Buffer builds and works once the limit is back)."""
+    import glob
+    import resource
+
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    if group.rank() == 1:
+        with open("/proc/self/status") as status:
+            used_kb = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, ((used_kb << 10) + (256 << 20), limits[1]))
+    try:
+        make_buffer(group, "nvlink", num_nvl_bytes=1 << 30)
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+    dist.barrier(group=group)
+    leftovers = glob.glob("/dev/shm/tritonep-*")
+    buffer = make_buffer(group, "nvlink", num_nvl_bytes=1 << 20, explicitly_destroy=True)
+    buffer.destroy()
+    return message, leftovers, True
+
+
+def test_allocation_failing_on_one_rank_raises_on_every_rank(interpreter_pools) -> None:
+    """Building a Buffer is collective: a rank whose shared memory cannot be mapped must not leave
+    its peers waiting in the next collective. Every rank raises, naming rank 1 and its error."""
+    results = interpreter_pools(2).run(one_rank_out_of_address_space)
+    for message, leftovers, rebuilt in results:
+        assert "mapping the ranks' /dev/shm files failed on 1 of 2 rank(s)" in message, results
+        assert "rank 1: RuntimeError" in message and "rank 0:" not in message, results
+        assert leftovers == [] and rebuilt, results
 
 
 def test_collective_backend_on_nccl_refuses_no_nvlink_in_low_latency_mode() -> None:

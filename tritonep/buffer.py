@@ -24,6 +24,7 @@ from .config import Config
 from .event import EventOverlap, capture_event
 from .groups import backend_for_comm, check_comm, group_from_comm
 from .handles import DispatchHandle, LowLatencyHandle
+from .rank_agreement import check_same_arguments
 from .routing import round_up
 from .streams import on_comm_stream
 
@@ -91,7 +92,10 @@ class Buffer:
 
     The constructor takes DeepEP V1's arguments, in the same order and with the same defaults.
     It is collective: every rank of ``group`` (or of ``comm``) must call it. Every argument is
-    checked before any communication starts.
+    checked before any communication starts. Then the ranks compare their sizes, modes and
+    backend: unless all agree, every rank raises InputError. If allocating or mapping the
+    shared memory fails on some rank (out of memory, say), every rank raises RuntimeError
+    naming it, instead of waiting for it.
 
     Arguments:
         group: the process group of the expert-parallel ranks. gloo with CPU tensors selects
@@ -179,6 +183,11 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self._low_latency_sizes_checked: set[tuple[int, int, int]] = set()
         self._low_latency_options_checked: set[tuple] = set()   # option sets whose static checks passed
+        # Ranks given different sizes would lay out the memory they share differently (silent
+        # corruption), and ranks on different backends would wait in different collectives.
+        check_same_arguments(group, dict(num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                                         low_latency_mode=low_latency_mode, enable_shrink=enable_shrink,
+                                         explicitly_destroy=explicitly_destroy, backend=kind))
         self.buffer_id = next(_buffer_ids)
         self.backend: Backend = make_backend(self, kind)
         self.device = self.backend.device

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...launch import SHARED_GPUS_VARIABLE
+from ...rank_agreement import on_every_rank
 from ...routing import round_up
 
 MAX_CHANNELS = 160            # sender programs per launch (> SMs of an H100/H200)
@@ -105,7 +106,8 @@ class SymmetricBuffer:
     def _rendezvous_symmetric(self, total: int, device: torch.device) -> list[torch.Tensor]:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.local = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        self.local = on_every_rank(self.group, lambda: symm_mem.empty(total, dtype=torch.uint8, device=device),
+                                   f"allocating {total} bytes of symmetric memory")
         handle = symm_mem.rendezvous(self.local, self.group.group_name)
         self._keep_alive.append(handle)
         return [self.local if r == self.rank else handle.get_buffer(r, (total,), torch.uint8)
@@ -118,26 +120,35 @@ class SymmetricBuffer:
         processes, and every peer maps it. Same layout, same kernels; NVLink is not involved."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        self.local = torch.empty(total, dtype=torch.uint8, device=device)
+        self.local = on_every_rank(self.group, lambda: torch.empty(total, dtype=torch.uint8, device=device),
+                                   f"allocating {total} bytes of GPU memory")
         exported: list = [None] * self.num_ranks
         dist.all_gather_object(exported, reduce_tensor(self.local), group=self.group)
-        mapped = [self.local if r == self.rank else rebuild(*args) for r, (rebuild, args) in enumerate(exported)]
+        # Also a barrier: every peer must have mapped this rank's allocation before any rank may
+        # drop its own reference to what it received (the exporter keeps the memory alive until then).
+        mapped = on_every_rank(self.group, lambda: [self.local if r == self.rank else rebuild(*args)
+                                                    for r, (rebuild, args) in enumerate(exported)],
+                               "mapping the peers' allocations (CUDA IPC)")
         self._keep_alive.extend(mapped)
-        # Every peer must have mapped this rank's allocation before any rank may drop its own
-        # reference to what it received (the exporter keeps the memory alive until then).
-        dist.barrier(group=self.group)
         return mapped
 
     def _map_shared_files(self, total: int) -> list[torch.Tensor]:
         token = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(self.group, 0), group=self.group)
         paths = [f"/dev/shm/tritonep-{token[0]}-{r}" for r in range(self.num_ranks)]
-        with open(paths[self.rank], "wb") as f:
-            f.truncate(total)
-        dist.barrier(group=self.group)
-        mapped = [torch.from_file(p, shared=True, size=total, dtype=torch.uint8) for p in paths]
-        dist.barrier(group=self.group)
-        os.unlink(paths[self.rank])   # the mappings stay valid; nothing is left in /dev/shm
+
+        def create() -> None:
+            with open(paths[self.rank], "wb") as f:
+                f.truncate(total)
+
+        try:
+            on_every_rank(self.group, create, f"creating a {total}-byte file in /dev/shm")
+            mapped = on_every_rank(
+                self.group, lambda: [torch.from_file(p, shared=True, size=total, dtype=torch.uint8) for p in paths],
+                "mapping the ranks' /dev/shm files")
+        finally:   # the mappings stay valid; nothing is left in /dev/shm, whatever failed
+            if os.path.exists(paths[self.rank]):
+                os.unlink(paths[self.rank])
         self.local = mapped[self.rank]
         self._keep_alive.extend(mapped)
         return mapped
