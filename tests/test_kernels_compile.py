@@ -178,5 +178,4 @@ def test_low_latency_clean_kernel_compiles(num_ranks: int, has_mask: bool) -> No
     assert "st.relaxed.sys.global.b64" in kernel.asm["ptx"] and "fence.acq_rel.sys" in kernel.asm["ptx"]
 
 
-def _pow2(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
+_pow2 = triton.next_power_of_2

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import triton
 
 from ... import fp8
 from ...checks import InputError
@@ -56,8 +57,7 @@ _COMBINE_CHANGING = ("x_ptr", "expert_stride", "row_stride", "src_info_ptr", "to
                      "mask_ptr", "dispatch_mask_ptr")
 
 
-def _pow2(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
+_pow2 = triton.next_power_of_2
 
 
 class CallOrder:
