@@ -38,7 +38,7 @@ from .dispatch_shape import DispatchShape, SendPlan, dispatch_outputs, guess_row
 from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
-from .memory import MAX_CHANNELS, SymmetricBuffer
+from .memory import MAX_CHANNELS, SymmetricBuffer, give_back_released
 from .notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
 from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
@@ -471,4 +471,5 @@ class NvlinkBackend(Backend):
             self._memory.release()
         if self._low_latency is not None:
             self._low_latency.release()
+        give_back_released(self.group, [self._memory, self._low_latency.memory if self._low_latency else None])
 

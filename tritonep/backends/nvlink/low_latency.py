@@ -443,4 +443,6 @@ class LowLatencyEngine:
     def release(self) -> None:
         self.fast_dispatch.clear()   # their launches point into the memory released here
         self.fast_combine.clear()
+        self._dispatch_plans.clear()   # and the outputs they keep (a destroyed Buffer holds no GPU memory)
+        self._combine_outputs.clear()
         self.memory.release()

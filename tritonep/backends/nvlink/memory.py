@@ -90,9 +90,10 @@ class SymmetricBuffer:
         self.data_bytes = round_up(data_bytes, 4096)
         total = self.data_offset + self.data_bytes
         self._keep_alive: list = []
+        self.shares_by_ipc = not interpret and os.environ.get(SHARED_GPUS_VARIABLE) == "1"
         if interpret:
             peers = self._map_shared_files(total)
-        elif os.environ.get(SHARED_GPUS_VARIABLE) == "1":
+        elif self.shares_by_ipc:
             peers = self._map_ipc_handles(total, device)
         else:
             peers = self._rendezvous_symmetric(total, device)
@@ -117,18 +118,35 @@ class SymmetricBuffer:
         """Ranks that share a GPU (tests: ``RankPool`` with more ranks than GPUs). torch
         symmetric memory refuses two ranks on one device, so each rank exports a plain CUDA
         allocation with CUDA IPC, as torch.multiprocessing does for tensors passed between
-        processes, and every peer maps it. Same layout, same kernels; NVLink is not involved."""
+        processes, and every peer maps it. Same layout, same kernels; NVLink is not involved.
+
+        Each peer gets an export of its own. torch counts the users of an exported block with
+        one counter per export, which its one receiver decrements when it lets go: one export
+        shared by several peers was decremented once per peer, wrapped below zero, and kept
+        the block allocated for good (1.5 GiB per rank per Buffer at 4 ranks,
+        docs/benchmarks/2026-11-25-h100x1-s10)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.local = on_every_rank(self.group, lambda: torch.empty(total, dtype=torch.uint8, device=device),
                                    f"allocating {total} bytes of GPU memory")
-        exported: list = [None] * self.num_ranks
-        dist.all_gather_object(exported, reduce_tensor(self.local), group=self.group)
-        # Also a barrier: every peer must have mapped this rank's allocation before any rank may
-        # drop its own reference to what it received (the exporter keeps the memory alive until then).
-        mapped = on_every_rank(self.group, lambda: [self.local if r == self.rank else rebuild(*args)
-                                                    for r, (rebuild, args) in enumerate(exported)],
-                               "mapping the peers' allocations (CUDA IPC)")
+        exports = [None if peer == self.rank else reduce_tensor(self.local) for peer in range(self.num_ranks)]
+        gathered: list = [None] * self.num_ranks
+        dist.all_gather_object(gathered, exports, group=self.group)
+
+        def map_peers() -> list[torch.Tensor]:
+            views = []
+            for peer in range(self.num_ranks):
+                if peer == self.rank:
+                    views.append(self.local)
+                else:
+                    rebuild, args = gathered[peer][self.rank]   # the export ``peer`` made for this rank
+                    views.append(rebuild(*args))
+            return views
+
+        # Also a barrier: every peer must have mapped this rank's allocation before any rank
+        # may drop its own reference to what it received (the exporter keeps the memory alive
+        # until then).
+        mapped = on_every_rank(self.group, map_peers, "mapping the peers' allocations (CUDA IPC)")
         self._keep_alive.extend(mapped)
         return mapped
 
@@ -158,9 +176,20 @@ class SymmetricBuffer:
         return self.local[: self.data_offset].view(torch.int64)
 
     def release(self) -> None:
+        """Drop this rank's references to its own and its peers' memory (``give_back_released``
+        then frees it, once every rank has released)."""
         self._keep_alive.clear()
         self.peers = []
         self.local = torch.empty(0, dtype=torch.uint8, device=self.local.device)
+
+
+def give_back_released(group: dist.ProcessGroup, memories: list[SymmetricBuffer | None]) -> None:
+    """Collective, after every rank released ``memories``: memory exported through CUDA IPC stays
+    allocated by its exporter until its peers have let go, and torch frees it only when asked
+    (or when its allocator next runs short). Asking now gives it back at ``destroy()``."""
+    if any(memory is not None and memory.shares_by_ipc for memory in memories):
+        dist.barrier(group=group)
+        torch.cuda.ipc_collect()
 
 
 CU_MEM_HANDLE_TYPE_FABRIC = 0x8
