@@ -171,6 +171,12 @@ def _tokens(pool: RankPool, first: int, others: int) -> tuple[int, ...]:
     return (first,) + (others,) * (pool.num_ranks - 1)
 
 
+def _decode_experts(num_ranks: int) -> int:
+    """DeepEP's decode problem has 288 experts; where the rank count does not divide 288 (5 or
+    7 ranks), 32 per rank."""
+    return 288 if 288 % num_ranks == 0 else 32 * num_ranks
+
+
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("use_fp8,round_scale,use_ue8m0", [(True, False, False), (True, True, False),
                                                            (True, True, True), (False, False, False)])
@@ -178,8 +184,8 @@ def _tokens(pool: RankPool, first: int, others: int) -> tuple[int, ...]:
 def test_gpu_benchmark_shape(gpu_pool, use_fp8: bool, round_scale: bool, use_ue8m0: bool, hook: bool) -> None:
     """DeepEP's low-latency problem: 128 tokens, hidden 7168, top-8 of 288 experts."""
     _check(gpu_pool, LowLatencyCase(seed=21, tokens=_tokens(gpu_pool, 128, 128), T=128, hidden=7168,
-                                    num_experts=288, num_topk=8, use_fp8=use_fp8, round_scale=round_scale,
-                                    use_ue8m0=use_ue8m0, hook=hook, calls=2))
+                                    num_experts=_decode_experts(gpu_pool.num_ranks), num_topk=8, use_fp8=use_fp8,
+                                    round_scale=round_scale, use_ue8m0=use_ue8m0, hook=hook, calls=2))
 
 
 @pytest.mark.gpu(min_gpus=1)
@@ -201,7 +207,7 @@ def test_gpu_repeated_calls(gpu_pool, options: dict) -> None:
     (backends/nvlink/low_latency_fast.py), with new tensors each round."""
     R = gpu_pool.num_ranks
     _check(gpu_pool, LowLatencyCase(seed=90, tokens=_tokens(gpu_pool, 128, 96), T=128, hidden=7168,
-                                    num_experts=288 if 288 % R == 0 else 32 * R, num_topk=8, calls=6, **options))
+                                    num_experts=_decode_experts(R), num_topk=8, calls=6, **options))
 
 
 @pytest.mark.gpu(min_gpus=1)
@@ -235,7 +241,7 @@ def test_gpu_two_micro_batches(gpu_pool, schedule: str, use_fp8: bool) -> None:
     """DeepEP's decode shape, two micro-batches in flight, hooks in every order (issue 11)."""
     R = gpu_pool.num_ranks
     case = LowLatencyCase(seed=70, tokens=_tokens(gpu_pool, 128, 120), T=128, hidden=7168,
-                          num_experts=288 if 288 % R == 0 else 32 * R, num_topk=8, use_fp8=use_fp8)
+                          num_experts=_decode_experts(R), num_topk=8, use_fp8=use_fp8)
     problems = gpu_pool.run(two_micro_batches, case, schedule)
     assert all(not p for p in problems), problems
 
@@ -259,7 +265,7 @@ def test_gpu_masks(gpu_pool, variant: str) -> None:
     combine_masks = (symmetric_masks(R, (R - 1,)), none, symmetric_masks(R, (0,))) \
         if variant == "change_before_combine" else ()
     _check(gpu_pool, LowLatencyCase(seed=60, tokens=_tokens(gpu_pool, 128, 100), T=128, hidden=7168,
-                                    num_experts=288 if 288 % R == 0 else 32 * R, num_topk=8,
+                                    num_experts=_decode_experts(R), num_topk=8,
                                     hook=variant in ("drop_first_hook", "change_before_combine"),
                                     calls=len(masks), masks=masks, combine_masks=combine_masks))
 
@@ -294,7 +300,7 @@ def test_gpu_dead_rank_masked_by_survivors(gpu_pool, kill: bool) -> None:
     gpu_pool.run(release_buffers)
     R = max(gpu_ranks(), 3)
     case = LowLatencyCase(seed=81, tokens=(128,) * R, T=128, hidden=7168,
-                          num_experts=288 if 288 % R == 0 else 32 * R, num_topk=8, calls=4)
+                          num_experts=_decode_experts(R), num_topk=8, calls=4)
     with RankPool(R, use_gpu=True, timeout=600, **pool_options(use_gpu=True)) as pool:
         problems = pool.run(survivors_mask_dead_rank, case, R - 1, kill, 2.0, may_exit={R - 1})
     assert problems[R - 1] is None and all(not p for p in problems[:R - 1]), problems
