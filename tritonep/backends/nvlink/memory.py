@@ -176,8 +176,9 @@ class SymmetricBuffer:
         return self.local[: self.data_offset].view(torch.int64)
 
     def release(self) -> None:
-        """Drop this rank's references to its own and its peers' memory (``give_back_released``
-        then frees it, once every rank has released)."""
+        """Drop this rank's references to its own and its peers' memory. Symmetric memory and
+        the /dev/shm files are freed with the last reference; with CUDA IPC,
+        ``give_back_released`` frees it once every rank has released."""
         self._keep_alive.clear()
         self.peers = []
         self.local = torch.empty(0, dtype=torch.uint8, device=self.local.device)
