@@ -59,13 +59,16 @@ def test_gpu_ranks_given_different_sizes_all_raise(gpu_pool: RankPool) -> None:
         assert in_step
 
 
-def one_rank_out_of_memory(group: dist.ProcessGroup) -> tuple[str, bool]:
-    """Rank 1 cannot get the 1 GiB of a Buffer, really: with a GPU of its own it first fills that
-    GPU; sharing a GPU with its peers it lowers its own limit (the caching allocator's memory
-    fraction), which leaves theirs alone. Returns (this rank's error, in step afterwards)."""
+def last_rank_out_of_memory(group: dist.ProcessGroup) -> tuple[str, bool]:
+    """The last rank cannot get the 1 GiB of a Buffer, really: with a GPU of its own it first
+    fills that GPU (at one rank this is the only rank: symmetric memory's own out-of-memory must
+    surface as the same error); sharing a GPU with its peers it lowers its own limit (the caching
+    allocator's memory fraction), which leaves theirs alone. Returns (this rank's error, in step
+    afterwards)."""
     shared = os.environ.get(SHARED_GPUS_VARIABLE) == "1"
+    failing = group.rank() == group.size() - 1
     filler = None
-    if group.rank() == 1:
+    if failing:
         free, total = torch.cuda.mem_get_info()
         if shared:
             torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + (256 << 20)) / total)
@@ -78,19 +81,21 @@ def one_rank_out_of_memory(group: dist.ProcessGroup) -> tuple[str, bool]:
         message = str(error)
     finally:
         del filler
-        if group.rank() == 1 and shared:
+        if failing and shared:
             torch.cuda.set_per_process_memory_fraction(1.0)
         gc.collect()
         torch.cuda.empty_cache()
     return message, _in_step(group)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_allocation_failing_on_one_rank_raises_on_every_rank(gpu_pool: RankPool) -> None:
-    """Without the check, rank 1 raised out of memory and its peers waited for it in the next
+    """Without the check, the rank out of memory raised and its peers waited for it in the next
     collective of the constructor."""
-    for message, in_step in gpu_pool.run(one_rank_out_of_memory):
-        assert "failed on 1 of" in message and "rank 1:" in message and "rank 0:" not in message, message
+    R = gpu_pool.num_ranks
+    for message, in_step in gpu_pool.run(last_rank_out_of_memory):
+        assert f"failed on 1 of {R} rank(s)" in message and f"rank {R - 1}:" in message, message
+        assert not any(f"rank {rank}:" in message for rank in range(R - 1)), message
         assert "memory" in message, message
         assert in_step
 
