@@ -45,9 +45,7 @@ def _per_call_us(fn, calls: int = 2000, rounds: int = 9) -> float:
 
 def main() -> None:
     from nvlink_cases import make_buffer
-    from test_low_latency_fast import _NoKernel
-
-    from tritonep.backends.nvlink import launcher, low_latency, low_latency_fast
+    from test_low_latency_fast import launches_replaced
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     T, H, E, K = 128, 7168, 288, 8
@@ -55,36 +53,30 @@ def main() -> None:
     buffer = make_buffer(dist.group.WORLD, "nvlink", num_rdma_bytes=size, low_latency_mode=True,
                          explicitly_destroy=True)
     engine = buffer.backend.low_latency
-    launcher.INTERPRET = low_latency.INTERPRET = False
-    low_latency.resident_programs = lambda kernel, args, constants, warps, device, wanted: wanted
-    launcher._Setup = _NoLaunch
-    launcher.current_stream = low_latency_fast.current_stream = lambda: 0
-    for kernel_launcher in (engine._dispatch_launcher, engine._combine_launcher):
-        kernel_launcher.kernel = _NoKernel(kernel_launcher.kernel)
     x = torch.randn(T, H).to(torch.bfloat16)
     topk_idx = torch.rand(T, E).topk(K, dim=1).indices
     weights = torch.rand(T, K)
     expert_rows = torch.randn(E, T, H).to(torch.bfloat16)
-    for _ in range(4):   # the general path learns both slots
-        _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E)
-        buffer.low_latency_combine(expert_rows, topk_idx, weights, handle)
     yardstick = torch.ones(16)
-    calls = {
-        "dispatch fp8": lambda: buffer.low_latency_dispatch(x, topk_idx, T, E),
-        "dispatch bf16": lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False),
-        "combine": lambda: buffer.low_latency_combine(expert_rows, topk_idx, weights, handle),
-        "yardstick: a CPU add_": lambda: yardstick.add_(1),
-    }
-    for name, call in calls.items():
-        print(f"{name:<22} {_per_call_us(call):.2f} us")
-    # Every timed call took the fast path (a fall-back to the general path returns from it too).
-    for fast_paths in (engine.fast_dispatch, engine.fast_combine):
-        for fast in fast_paths.values():
-            assert fast.slots.launches[0][0] is not None and fast.slots.launches[1][0] is not None
-    key = (x.shape, topk_idx.shape, T, E, True, False, False, False, True, True)
-    assert engine.fast_dispatch[key](x, topk_idx, None, None) is not None, "the fast path declined"
-    engine.fast_dispatch.clear()
-    engine.fast_combine.clear()
+    with launches_replaced(engine, _NoLaunch):
+        for _ in range(4):   # the general path learns both slots
+            _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E)
+            buffer.low_latency_combine(expert_rows, topk_idx, weights, handle)
+        calls = {
+            "dispatch fp8": lambda: buffer.low_latency_dispatch(x, topk_idx, T, E),
+            "dispatch bf16": lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False),
+            "combine": lambda: buffer.low_latency_combine(expert_rows, topk_idx, weights, handle),
+            "yardstick: a CPU add_": lambda: yardstick.add_(1),
+        }
+        for name, call in calls.items():
+            print(f"{name:<22} {_per_call_us(call):.2f} us")
+        # Every timed call took the fast path (a fall-back to the general path returns from it too).
+        for fast_paths in (engine.fast_dispatch, engine.fast_combine):
+            for fast in fast_paths.values():
+                assert fast.slots.launches[0][0] is not None and fast.slots.launches[1][0] is not None
+        key = (x.shape, topk_idx.shape, T, E, True, False, False, False, True, True)
+        assert engine.fast_dispatch[key](x, topk_idx, None, None) is not None, "the fast path declined"
+    buffer.destroy()
     dist.destroy_process_group()
 
 

@@ -60,6 +60,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="module")
+def gpu_pool():
+    """A RankPool of ``gpu_ranks()`` ranks on the GPUs (``TRITONEP_GPU_RANKS``, or one per GPU;
+    ranks beyond the GPU count share them), made once per test module."""
+    from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
+
+    from tritonep.launch import RankPool
+
+    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
 def interpreter_pools():
     """``get(num_ranks)`` -> a RankPool of CPU ranks running Triton's interpreter
     (``TRITON_INTERPRET=1`` is inherited by the spawned ranks); pools live for the module.

@@ -167,7 +167,7 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
     return [m for key in expected for m in _mismatches(key, got[key], expected[key])]
 
 
-def _round_trip(buffer: deep_ep.Buffer, num_tokens: int, hidden: int, seed: int, routing: str = "random",
+def round_trip(buffer: deep_ep.Buffer, num_tokens: int, hidden: int, seed: int, routing: str = "random",
                 topk_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """A fresh dispatch of bf16 rows (``make_inputs``: top-2 of 4 experts per rank, ``routing``)
     and a combine of the rows as received: every rank a token reached returns it unchanged, so
@@ -215,17 +215,17 @@ def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) 
     """
     nvlink, _ = _buffers(group, nvl_bytes)
     # Every step runs on every rank whatever an earlier one gave (the steps are collective).
-    checks = [_round_trip(nvlink, 64, 256, seed=1)[1]]
+    checks = [round_trip(nvlink, 64, 256, seed=1)[1]]
     topk_idx = torch.randint(0, 4 * group.size(), (64, 2), device=nvlink.device)
     if group.rank() == 0:
         topk_idx[5, 1] = 4 * group.size()
     message = ""
     try:
-        _round_trip(nvlink, 64, 256, seed=2, topk_idx=topk_idx)
+        round_trip(nvlink, 64, 256, seed=2, topk_idx=topk_idx)
     except deep_ep.InputError as error:
         message = str(error)
-    checks += [staging_released_exactly(group, nvlink), _round_trip(nvlink, 64, 256, seed=3)[1],
-               _round_trip(nvlink, 64, 256, seed=4)[1]]
+    checks += [staging_released_exactly(group, nvlink), round_trip(nvlink, 64, 256, seed=3)[1],
+               round_trip(nvlink, 64, 256, seed=4)[1]]
     return message, all(checks)
 
 
@@ -237,14 +237,14 @@ def staging_overflow_error(group: dist.ProcessGroup) -> tuple[str, bool]:
     before and after must be exact. Returns (the message, whether they were)."""
     buffer = make_buffer(group, "nvlink", num_nvl_bytes=1 << 21, explicitly_destroy=True)
     # Every step runs on every rank whatever an earlier one gave (the steps are collective).
-    checks = [_round_trip(buffer, 100, 1024, seed=5)[1], _round_trip(buffer, 60, 1024, seed=6)[1]]
+    checks = [round_trip(buffer, 100, 1024, seed=5)[1], round_trip(buffer, 60, 1024, seed=6)[1]]
     message = ""
     try:
-        _round_trip(buffer, 600, 1024, seed=7, routing="one_rank")
+        round_trip(buffer, 600, 1024, seed=7, routing="one_rank")
     except deep_ep.InputError as error:
         message = str(error)
-    checks += [staging_released_exactly(group, buffer), _round_trip(buffer, 100, 1024, seed=8)[1],
-               _round_trip(buffer, 90, 1024, seed=9)[1]]
+    checks += [staging_released_exactly(group, buffer), round_trip(buffer, 100, 1024, seed=8)[1],
+               round_trip(buffer, 90, 1024, seed=9)[1]]
     buffer.destroy()
     return message, all(checks)
 
@@ -260,7 +260,7 @@ def fresh_dispatch_sequence(group: dist.ProcessGroup, seed: int, calls: int, nvl
         rng = random.Random(seed * 1000 + call)   # the same choices on every rank
         counts = [rng.choice([0, 1, 17, 64, 200, 333]) for _ in range(group.size())]
         routing = rng.choice(["random", "skewed", "one_rank"])
-        recv_x, exact = _round_trip(nvlink, counts[group.rank()], 128, seed=seed + call, routing=routing)
+        recv_x, exact = round_trip(nvlink, counts[group.rank()], 128, seed=seed + call, routing=routing)
         if not (exact and staging_released_exactly(group, nvlink)):
             failures.append(f"call {call} ({counts}, {routing}): exact={exact}")
     return failures
@@ -275,7 +275,7 @@ def fresh_dispatch_storage_rows(group: dist.ProcessGroup, token_counts: tuple[in
     nvlink, _ = _buffers(group, nvl_bytes)
     rows = []
     for call, num_tokens in enumerate(token_counts):
-        recv_x, exact = _round_trip(nvlink, num_tokens, 128, seed=50 + call)
+        recv_x, exact = round_trip(nvlink, num_tokens, 128, seed=50 + call)
         released = staging_released_exactly(group, nvlink)
         rows.append((recv_x.shape[0], recv_x.untyped_storage().nbytes() // (128 * 2), exact, released))
     return rows

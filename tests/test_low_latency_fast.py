@@ -13,10 +13,11 @@ where repeated calls take the fast path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -180,14 +181,41 @@ def _hooks_keep_inputs(buffer: deep_ep.Buffer, generator: torch.Generator) -> li
     return problems
 
 
+@contextlib.contextmanager
+def launches_replaced(engine: object, setup: type) -> Iterator[None]:
+    """Inside, ``engine`` learns and repeats compiled launches as on a GPU, but each is a
+    ``setup`` (a stand-in for launcher._Setup: ``_Recorded``, or one that does nothing) and
+    nothing is compiled or run. On exit the module state is restored and what was learnt is
+    dropped."""
+    from tritonep.backends.nvlink import launcher, low_latency, low_latency_fast
+
+    saved = (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
+             launcher.current_stream, low_latency_fast.current_stream)
+    kernel_launchers = (engine._dispatch_launcher, engine._combine_launcher)
+    kernels = [kernel_launcher.kernel for kernel_launcher in kernel_launchers]
+    try:
+        launcher.INTERPRET = low_latency.INTERPRET = False
+        low_latency.resident_programs = lambda kernel, args, constants, warps, device, wanted: wanted
+        launcher._Setup = setup
+        launcher.current_stream = low_latency_fast.current_stream = lambda: 7
+        for kernel_launcher in kernel_launchers:
+            kernel_launcher.kernel = _NoKernel(kernel_launcher.kernel)
+        yield
+    finally:
+        (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
+         launcher.current_stream, low_latency_fast.current_stream) = saved
+        for kernel_launcher, kernel in zip(kernel_launchers, kernels):
+            kernel_launcher.kernel = kernel
+        engine.fast_dispatch.clear()
+        engine.fast_combine.clear()
+
+
 def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
     from nvlink_cases import make_buffer
 
-    from tritonep.backends.nvlink import launcher, low_latency, low_latency_fast
     from tritonep.backends.nvlink.low_latency_fast import FastCombine, FastDispatch
 
-    saved = (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
-             launcher.current_stream, low_latency_fast.current_stream, FastDispatch.__call__, FastCombine.__call__)
+    saved = (FastDispatch.__call__, FastCombine.__call__)
     taken = {"dispatch": 0, "combine": 0}
 
     def counted(kind: str, method: Callable) -> Callable:
@@ -202,24 +230,15 @@ def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
     engine = buffer.backend.low_latency
     problems: list[str] = []
     try:
-        launcher.INTERPRET = low_latency.INTERPRET = False
-        low_latency.resident_programs = lambda kernel, args, constants, warps, device, wanted: wanted
-        launcher._Setup = _Recorded
-        launcher.current_stream = low_latency_fast.current_stream = lambda: 7
-        for kernel_launcher in (engine._dispatch_launcher, engine._combine_launcher):
-            kernel_launcher.kernel = _NoKernel(kernel_launcher.kernel)
-        FastDispatch.__call__ = counted("dispatch", FastDispatch.__call__)
-        FastCombine.__call__ = counted("combine", FastCombine.__call__)
-        generator = torch.Generator().manual_seed(group.rank())
-        for dispatch_options, combine_options in SEQUENCES:
-            problems += _sequence(buffer, engine, dispatch_options, combine_options, generator)
-        problems += _hooks_keep_inputs(buffer, generator)
+        with launches_replaced(engine, _Recorded):
+            FastDispatch.__call__ = counted("dispatch", FastDispatch.__call__)
+            FastCombine.__call__ = counted("combine", FastCombine.__call__)
+            generator = torch.Generator().manual_seed(group.rank())
+            for dispatch_options, combine_options in SEQUENCES:
+                problems += _sequence(buffer, engine, dispatch_options, combine_options, generator)
+            problems += _hooks_keep_inputs(buffer, generator)
     finally:
-        (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
-         launcher.current_stream, low_latency_fast.current_stream, FastDispatch.__call__,
-         FastCombine.__call__) = saved
-        engine.fast_dispatch.clear()
-        engine.fast_combine.clear()
+        FastDispatch.__call__, FastCombine.__call__ = saved
         buffer.destroy()
     # Every compared call takes the fast path.
     expected = (len(TOKENS) - LEARNING_CALLS) * len(SEQUENCES) + 1   # + _hooks_keep_inputs's

@@ -25,10 +25,9 @@ from nvlink_cases import (
     padding_overflow_error,
     staging_overflow_error,
 )
-from torch_defaults import pool_options
 
 from tritonep.buffer import nvl_bytes_for
-from tritonep.launch import RankPool, gpu_ranks
+from tritonep.launch import RankPool
 
 
 def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22, tuning: dict | None = None) -> None:
@@ -123,13 +122,6 @@ def test_interpreter_low_latency_only_buffer(interpreter_pools) -> None:
 
 
 # ------------------------------------------------------------------------------- GPU
-@pytest.fixture(scope="module")
-def gpu_pool():
-    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
-    yield pool
-    pool.close()
-
-
 def _tokens(pool: RankPool, first: int, second: int) -> tuple[int, ...]:
     """Token counts per rank: ``first`` on rank 0, then alternately ``second`` and ``first``."""
     return tuple(first if rank % 2 == 0 else second for rank in range(pool.num_ranks))

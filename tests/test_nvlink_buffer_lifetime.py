@@ -14,20 +14,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from nvlink_cases import make_buffer
-from torch_defaults import pool_options
+from nvlink_cases import make_buffer, round_trip
 
 import tritonep as deep_ep
-from tritonep.launch import SHARED_GPUS_VARIABLE, RankPool, gpu_ranks
+from tritonep.launch import SHARED_GPUS_VARIABLE, RankPool
 
 GIB = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def gpu_pool():
-    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
-    yield pool
-    pool.close()
 
 
 def _in_step(group: dist.ProcessGroup) -> bool:
@@ -109,7 +101,7 @@ def used_after_rebuilds(group: dist.ProcessGroup, cycles: int, explicitly_destro
     for _ in range(cycles):
         buffer = make_buffer(group, "nvlink", num_nvl_bytes=GIB, num_rdma_bytes=GIB // 2, low_latency_mode=True,
                              explicitly_destroy=explicitly_destroy)
-        _use(buffer, group.size())
+        assert _use(buffer, group.size()), "normal-mode round trip not exact"
         if explicitly_destroy:
             buffer.destroy()
             destroyed.append(buffer)
@@ -123,19 +115,17 @@ def used_after_rebuilds(group: dist.ProcessGroup, cycles: int, explicitly_destro
     return readings
 
 
-def _use(buffer: deep_ep.Buffer, num_ranks: int) -> None:
-    """One dispatch and combine in each mode (their outputs and cached launches included)."""
+def _use(buffer: deep_ep.Buffer, num_ranks: int) -> bool:
+    """One dispatch and combine in each mode (their outputs and cached launches included);
+    whether the normal-mode round trip came back exact."""
+    _, exact = round_trip(buffer, 64, 2048, seed=7)
     x = torch.randn(64, 2048, dtype=torch.bfloat16, device="cuda")
     topk_idx = torch.rand(64, 8 * num_ranks, dtype=torch.float32, device="cuda").topk(4, dim=1).indices
     weights = torch.rand(64, 4, dtype=torch.float32, device="cuda")
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 8 * num_ranks)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                                                 topk_weights=weights)
-    buffer.combine(recv_x, handle)
-    packed, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 64, 8 * num_ranks, use_fp8=False)
-    buffer.low_latency_combine(packed, topk_idx, weights, ll_handle)
+    packed, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 64, 8 * num_ranks, use_fp8=False)
+    buffer.low_latency_combine(packed, topk_idx, weights, handle)
     torch.cuda.synchronize()
+    return exact
 
 
 @pytest.mark.gpu(min_gpus=1)

@@ -160,13 +160,6 @@ def test_interpreter_dead_rank_masked_by_survivors(interpreter_pools, kill: bool
 
 
 # ------------------------------------------------------------------------------- GPU
-@pytest.fixture(scope="module")
-def gpu_pool():
-    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
-    yield pool
-    pool.close()
-
-
 def _tokens(pool: RankPool, first: int, others: int) -> tuple[int, ...]:
     return (first,) + (others,) * (pool.num_ranks - 1)
 
