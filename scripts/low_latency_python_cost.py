@@ -29,7 +29,7 @@ class _NoLaunch:
     def __init__(self, compiled: object, grid: int, raw_args: list) -> None:
         self.args, self.grid = raw_args, grid
 
-    def __call__(self, stream: int) -> None:
+    def __call__(self, stream: int, args: list | None = None) -> None:
         return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,10 @@ class Case:
     routing: str = "random"        # random | skewed | one_rank | none
     column_major_scales: bool = False
     num_sms: int = 8
+    # The cached dispatch and the combine are each made this many times with the handle, on
+    # inputs scaled by powers of two (exactly, in bf16 and in fp8 scales); from the second call
+    # on, the NVLink backend repeats the learnt launches (normal_repeat.py).
+    repeats: int = 1
 
 
 def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | None = None,
@@ -102,21 +107,54 @@ def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device)
         dispatch_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=case.expert_alignment,
         num_worst_tokens=case.num_worst_tokens, config=config)
-    cached_x, *_ = buffer.dispatch(dispatch_x, handle=handle, config=config)
-    rows = recv_x[0] if case.fp8 else recv_x
-    expert_out = (rows.float() if not case.fp8 else utils.per_token_cast_back(*recv_x).float()) * 0.5
-    bias = inputs["bias"].to(device) if case.bias else None
-    combined, combined_weights, _ = buffer.combine(expert_out.to(torch.bfloat16), handle, topk_weights=recv_weights,
-                                                   bias=bias, config=config)
     real = int(handle.rank_prefix_matrix[-1, buffer.rank])
     result = {
         "layout": (per_rank, per_expert, in_rank),
         "recv_x": [t[:real] for t in recv_x] if case.fp8 else recv_x[:real],
-        "cached_x": [t[:real] for t in cached_x] if case.fp8 else cached_x[:real],
         "recv_idx": recv_idx, "recv_weights": recv_weights, "per_expert": per_expert_list,
-        "prefix": handle.rank_prefix_matrix, "combined": combined, "combined_weights": combined_weights,
+        "prefix": handle.rank_prefix_matrix,
     }
+    for call in range(case.repeats):
+        cached_x = buffer.dispatch(_scaled(dispatch_x, 2.0 ** call), handle=handle, config=config)[0]
+        result[f"cached_x{call or ''}"] = [t[:real] for t in cached_x] if case.fp8 else cached_x[:real]
+    rows = recv_x[0] if case.fp8 else recv_x
+    expert_out = (rows.float() if not case.fp8 else utils.per_token_cast_back(*recv_x).float()) * 0.5
+    bias = inputs["bias"].to(device) if case.bias else None
+    for call in range(case.repeats):
+        combined, combined_weights, _ = buffer.combine((expert_out * 2.0 ** -call).to(torch.bfloat16), handle,
+                                                       topk_weights=recv_weights, bias=bias, config=config)
+        result[f"combined{call or ''}"], result[f"combined_weights{call or ''}"] = combined, combined_weights
     return _to_cpu(result)
+
+
+def _scaled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], factor: float) -> object:
+    """``x`` times ``factor`` (a power of two: exact); fp8 data keeps its bytes, its scales
+    (strides kept) are scaled."""
+    if factor == 1.0:
+        return x
+    if isinstance(x, tuple):
+        return x[0], x[1] * factor
+    return x * factor
+
+
+def count_repeats(backend: object) -> dict[str, int]:
+    """Count, on ``backend``, the calls its repeat paths took (until ``uncount_repeats``)."""
+    taken = {"repeat_cached_dispatch": 0, "repeat_combine": 0}
+
+    def counted(name: str, method: Callable) -> Callable:
+        def call(*args: object) -> object:
+            result = method(*args)
+            taken[name] += result is not None
+            return result
+        return call
+    for name in taken:
+        setattr(backend, name, counted(name, getattr(backend, name)))
+    return taken
+
+
+def uncount_repeats(backend: object, taken: dict[str, int]) -> None:
+    for name in taken:
+        delattr(backend, name)
 
 
 def _to_device(value, device: torch.device):
@@ -139,7 +177,7 @@ def _to_cpu(value):
 
 def _mismatches(name: str, got, expected) -> list[str]:
     if isinstance(expected, torch.Tensor):
-        if name in ("combined", "combined_weights"):
+        if name.startswith("combined"):
             ok = got.shape == expected.shape and torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
         else:
             ok = got.shape == expected.shape and torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1
@@ -159,12 +197,19 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
     inputs = make_inputs(case, group.rank(), group.size())
     default = nvlink.backend.tuning
     nvlink.backend.tuning = dataclasses.replace(default, **(tuning or {}))
+    taken = count_repeats(nvlink.backend)
     try:
         got = _run(nvlink, case, inputs, nvlink.device)
     finally:
         nvlink.backend.tuning = default
+        uncount_repeats(nvlink.backend, taken)
     expected = _run(cpu, case, inputs, torch.device("cpu"))
-    return [m for key in expected for m in _mismatches(key, got[key], expected[key])]
+    problems = [m for key in expected for m in _mismatches(key, got[key], expected[key])]
+    # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
+    wanted = {"repeat_cached_dispatch": case.repeats - 1, "repeat_combine": case.repeats - 1 if not case.bias else 0}
+    if nvlink.device.type == "cuda" and taken != wanted:
+        problems.append(f"repeat paths taken {taken}, expected {wanted}")
+    return problems
 
 
 def round_trip(buffer: deep_ep.Buffer, num_tokens: int, hidden: int, seed: int, routing: str = "random",

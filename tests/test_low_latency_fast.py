@@ -38,7 +38,7 @@ SEQUENCES = [
 ]
 
 
-class _Recorded:
+class RecordedLaunch:
     """Stands for a compiled launch (launcher._Setup): same raw argument list, records calls."""
 
     log: list = []
@@ -46,11 +46,11 @@ class _Recorded:
     def __init__(self, compiled: object, grid: int, raw_args: list) -> None:
         self.args, self.grid = raw_args, grid
 
-    def __call__(self, stream: int) -> None:
-        _Recorded.log.append((id(self), self.grid, tuple(self.args)))
+    def __call__(self, stream: int, args: list | None = None) -> None:
+        RecordedLaunch.log.append((id(self), self.grid, tuple(self.args if args is None else args)))
 
 
-class _NoKernel:
+class NoKernel:
     """``kernel[grid](...)`` that compiles and runs nothing (FastLauncher's first call)."""
 
     def __init__(self, kernel: object) -> None:
@@ -101,11 +101,11 @@ def _both_paths(engine: object, fast_paths: dict, call: callable) -> tuple[tuple
         learnt = dict(fast_paths)
         if not use_fast:
             fast_paths.clear()
-        _Recorded.log = []
+        RecordedLaunch.log = []
         result = call()
         if result[-1] is not None:
             result[-1]()
-        runs.append((list(_Recorded.log), _summary(result), _host_state(engine)))
+        runs.append((list(RecordedLaunch.log), _summary(result), _host_state(engine)))
         if not use_fast:
             fast_paths.clear()
             fast_paths.update(learnt)
@@ -184,7 +184,7 @@ def _hooks_keep_inputs(buffer: deep_ep.Buffer, generator: torch.Generator) -> li
 @contextlib.contextmanager
 def launches_replaced(engine: object, setup: type) -> Iterator[None]:
     """Inside, ``engine`` learns and repeats compiled launches as on a GPU, but each is a
-    ``setup`` (a stand-in for launcher._Setup: ``_Recorded``, or one that does nothing) and
+    ``setup`` (a stand-in for launcher._Setup: ``RecordedLaunch``, or one that does nothing) and
     nothing is compiled or run. On exit the module state is restored and what was learnt is
     dropped."""
     from tritonep.backends.nvlink import launcher, low_latency, low_latency_fast
@@ -199,7 +199,7 @@ def launches_replaced(engine: object, setup: type) -> Iterator[None]:
         launcher._Setup = setup
         launcher.current_stream = low_latency_fast.current_stream = lambda: 7
         for kernel_launcher in kernel_launchers:
-            kernel_launcher.kernel = _NoKernel(kernel_launcher.kernel)
+            kernel_launcher.kernel = NoKernel(kernel_launcher.kernel)
         yield
     finally:
         (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
@@ -230,7 +230,7 @@ def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
     engine = buffer.backend.low_latency
     problems: list[str] = []
     try:
-        with launches_replaced(engine, _Recorded):
+        with launches_replaced(engine, RecordedLaunch):
             FastDispatch.__call__ = counted("dispatch", FastDispatch.__call__)
             FastCombine.__call__ = counted("combine", FastCombine.__call__)
             generator = torch.Generator().manual_seed(group.rank())

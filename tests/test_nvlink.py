@@ -38,13 +38,15 @@ def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22, tuning: dict | 
 INTERPRETER_CASES = [
     Case(seed=1, tokens=(37, 20), hidden=256, num_experts=16, num_topk=3),
     Case(seed=2, tokens=(0, 9), hidden=128, num_experts=8, num_topk=2, routing="skewed"),
-    Case(seed=3, tokens=(16, 16), hidden=256, num_experts=8, num_topk=4, fp8=True, bias=True),
-    Case(seed=4, tokens=(12, 30), hidden=128, num_experts=16, num_topk=2, num_worst_tokens=64, expert_alignment=4),
+    Case(seed=3, tokens=(16, 16), hidden=256, num_experts=8, num_topk=4, fp8=True, bias=True, repeats=2),
+    Case(seed=4, tokens=(12, 30), hidden=128, num_experts=16, num_topk=2, num_worst_tokens=64, expert_alignment=4,
+         repeats=2),
     Case(seed=5, tokens=(25, 3), hidden=128, num_experts=4, num_topk=1, routing="one_rank", num_sms=2),
     Case(seed=6, tokens=(8, 8), hidden=128, num_experts=8, num_topk=2, routing="none"),
     Case(seed=7, tokens=(21, 13, 0), hidden=128, num_experts=6, num_topk=2, bias=True),
     Case(seed=8, tokens=(10, 31, 7), hidden=256, num_experts=12, num_topk=3, fp8=True, num_sms=6),
-    Case(seed=9, tokens=(19, 6), hidden=384, num_experts=8, num_topk=2, fp8=True, column_major_scales=True),
+    Case(seed=9, tokens=(19, 6), hidden=384, num_experts=8, num_topk=2, fp8=True, column_major_scales=True,
+         repeats=2),
     Case(seed=10, tokens=(5, 0, 12, 9), hidden=128, num_experts=8, num_topk=3, bias=True, num_sms=4),
 ]
 
@@ -156,7 +158,7 @@ def test_gpu_variants(gpu_pool, variant: str) -> None:
                 num_sms=16,
                 fp8=variant == "fp8", num_worst_tokens=4096 if variant == "worst" else 0, bias=variant == "bias",
                 routing=variant if variant in ("skewed", "one_rank", "none") else "random",
-                expert_alignment=128 if variant == "align" else 1)
+                expert_alignment=128 if variant == "align" else 1, repeats=2)
     _check(gpu_pool, case, nvl_bytes=1 << 30)
 
 
@@ -174,6 +176,17 @@ def test_gpu_combine_piece_paths(gpu_pool, tuning: dict) -> None:
 
 
 @pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("form", ["bf16", "fp8", "fp8 column-major scales"])
+def test_gpu_repeated_calls_with_a_handle(gpu_pool, form: str) -> None:
+    """The cached dispatch and the combine four times with one handle, each on other inputs:
+    the second call on takes the repeat path (normal_repeat.py), and every result must match
+    the CPU backend's."""
+    case = Case(seed=55, tokens=_tokens(gpu_pool, 1500, 900), hidden=7168, num_experts=_experts(gpu_pool, 64),
+                num_topk=8, num_sms=24, fp8=form != "bf16", column_major_scales="column" in form, repeats=4)
+    _check(gpu_pool, case, nvl_bytes=1 << 30)
+
+
+@pytest.mark.gpu(min_gpus=1)
 def test_gpu_race_loop(gpu_pool) -> None:
     """120 random cases back to back (random sizes, hidden, routing, SM counts) to shake out races."""
     rng = random.Random(0)
@@ -183,7 +196,7 @@ def test_gpu_race_loop(gpu_pool) -> None:
                     hidden=rng.choice([2048, 4096, 7168]), num_experts=_experts(gpu_pool, rng.choice([16, 64, 256])),
                     num_topk=rng.choice([1, 4, 8]), fp8=rng.random() < 0.3, bias=rng.random() < 0.3,
                     routing=rng.choice(["random", "random", "skewed", "one_rank"]),
-                    num_sms=rng.choice([2, 8, 24, 64]))
+                    num_sms=rng.choice([2, 8, 24, 64]), repeats=rng.choice([1, 2, 3]))
         _check(gpu_pool, case, nvl_bytes=1 << 30)
 
 

@@ -31,6 +31,9 @@ from .streams import on_comm_stream
 _buffer_ids = itertools.count(1)
 
 
+_NO_EVENT = EventOverlap(None)   # holds nothing: one object serves every call that returns no event
+
+
 def _without_torch_function(call: Callable) -> Callable:
     """Run ``call`` with torch-function handling off.
 
@@ -355,6 +358,21 @@ class Buffer:
             rows of larger tensors (the previous call's M plus about 6%, allocated before the
             counts were known; ``TRITONEP_RECEIVE_BEFORE_SYNC=0`` allocates exactly M rows).
         """
+        # A cached dispatch repeated as before (every layer's backward in training): the backend
+        # checks x against the call it learnt and launches, or returns None and the general path
+        # below checks everything (backends/nvlink/normal_repeat.py).
+        if (type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id and not self._destroyed
+                and num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
+                and num_tokens_per_expert is None and topk_idx is None and topk_weights is None
+                and type(num_worst_tokens) is int and not num_worst_tokens and type(expert_alignment) is int
+                and expert_alignment >= 1 and previous_event is None and not async_finish
+                and not allocate_on_comm_stream and (config is None or type(config) is Config)):
+            data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
+            if type(data) is torch.Tensor and (scales is None or type(scales) is torch.Tensor):
+                recv_x = self.backend.repeat_cached_dispatch(data, scales, handle,
+                                                             Buffer.num_sms if config is None else config.num_sms)
+                if recv_x is not None:
+                    return recv_x, None, None, None, None, _NO_EVENT
         self._check_alive()
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = config or self.get_dispatch_config(self.group_size)
@@ -445,6 +463,15 @@ class Buffer:
             combined_topk_weights: [N, K] float32 or None.
             event: the event to wait on when ``async_finish``.
         """
+        # A combine repeated as before (every layer, every step): as in dispatch's repeat path.
+        if (type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id and not self._destroyed
+                and type(x) is torch.Tensor and (topk_weights is None or type(topk_weights) is torch.Tensor)
+                and bias is None and previous_event is None and not async_finish and not allocate_on_comm_stream
+                and (config is None or type(config) is Config)):
+            combined = self.backend.repeat_combine(x, topk_weights, handle,
+                                                   Buffer.num_sms if config is None else config.num_sms)
+            if combined is not None:
+                return combined[0], combined[1], _NO_EVENT
         self._check_alive()
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = config or self.get_combine_config(self.group_size)

@@ -109,6 +109,21 @@ class Backend(abc.ABC):
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         ...
 
+    def repeat_cached_dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle,
+                               num_sms: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """A cached dispatch (``handle``, default options) that repeats one the backend learnt:
+        its recv_x (or (recv_x, recv_scales)), launched; or None, and the caller takes the
+        general path. ``x``/``scales`` are tensors, nothing else is checked yet. Default: never."""
+        return None
+
+    def repeat_combine(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
+                       num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A combine (no bias, default stream options) that repeats one the backend learnt:
+        (combined_x, combined_topk_weights), launched; or None, and the caller takes the general
+        path. ``x``/``topk_weights`` are tensors (or None), nothing else is checked yet.
+        Default: never."""
+        return None
+
     @abc.abstractmethod
     def combine(
         self,

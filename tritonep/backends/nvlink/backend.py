@@ -39,6 +39,7 @@ from .launcher import FastLauncher
 from .layout_kernel import dispatch_layout
 from .low_latency import LowLatencyEngine
 from .memory import MAX_CHANNELS, SymmetricBuffer, give_back_released
+from .normal_repeat import CachedDispatchRepeat, CombineRepeat
 from .notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
 from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
@@ -285,16 +286,20 @@ class NvlinkBackend(Backend):
         rest = (self.memory.peer_base_ptrs, *shape.regions, shape.capacity, self.rank, self.dispatch_epoch,
                 self.dispatch_released, shape.experts_per_rank, self.status, self.timeout_ns)
 
+        launched: list = [None, None]   # the compiled (send, receive) launches: a cached dispatch learns them
+
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
-            _DISPATCH(shape.senders, shape.send_setup, inputs + shape.unused_outputs + rest, shape.send_constants,
-                      t.warps)
+            launched[0] = _DISPATCH(shape.senders, shape.send_setup, inputs + shape.unused_outputs + rest,
+                                    shape.send_constants, t.warps)
 
         def receive(rows: int, guard_word: int = 0) -> tuple[torch.Tensor, ...]:
-            outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self._device)
+            outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self._device,
+                                       self._cached_recv_src(plan, rows) if handle is not None else None)
             args = (outputs[0].view(torch.int32), outputs[1].view(torch.int32) if scales is not None else outputs[4],
                     outputs[2] if has_topk else self._placeholder(torch.int64),
                     outputs[3] if has_topk else self._placeholder(torch.float32), outputs[4], rows, guard_word)
-            _DISPATCH(shape.receivers, shape.receive_setup, inputs + args + rest, shape.receive_constants, t.warps)
+            launched[1] = _DISPATCH(shape.receivers, shape.receive_setup, inputs + args + rest,
+                                    shape.receive_constants, t.warps)
             return outputs
 
         # The send half runs on the side stream after the exchange (after everything queued on
@@ -322,6 +327,10 @@ class NvlinkBackend(Backend):
         self._send_stream.join()   # later work on the current stream (and the allocator) waits for the send
         self.dispatch_released += shape.receivers
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
+        if handle is not None and request.num_worst_tokens == 0:   # the next such call may repeat these launches
+            plan.repeat = CachedDispatchRepeat.learn(
+                self, x, scales, request.config.num_sms, *launched, recv_x, recv_scales, num_out_rows,
+                shape.scale_words, shape.receivers, self.dispatch_epoch, self.dispatch_released - shape.receivers)
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
@@ -329,6 +338,18 @@ class NvlinkBackend(Backend):
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
+
+    def _cached_recv_src(self, plan: SendPlan, rows: int) -> torch.Tensor:
+        """Where a cached dispatch's receive half writes the source indices it does not return:
+        one scratch tensor per handle (every such call writes the same values)."""
+        if plan.cached_recv_src is None:
+            plan.cached_recv_src = torch.empty(rows, dtype=torch.int32, device=self._device)
+        return plan.cached_recv_src
+
+    def repeat_cached_dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle,
+                               num_sms: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        repeat = getattr(handle.backend_state, "repeat", None)
+        return None if repeat is None else repeat(x, scales, num_sms)
 
     def _mailbox_result(self, epoch: int, words: int, what: str) -> list[int]:
         """The result words of count exchange ``epoch`` from the host mailbox, once its flag shows
@@ -414,24 +435,42 @@ class NvlinkBackend(Backend):
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
             pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)
-            if plan.combine_copies is None:
-                plan.combine_copies = combine_copies(plan.counts, self.rank)
-            if topk_weights is not None and R > 1:   # before the fork: the tail words publish them
-                push_combine_weights(topk_weights, handle.rank_prefix_matrix, self.memory.peer_base_ptrs, regions[1],
-                                     self.rank, R, self._launch_key)
-            self._peer_streams.fork(combine_copy_jobs(
-                x, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
-                self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces, self._launch_key,
-                self._driver if t.combine_driver else None))
+            self._fork_combine_copies(x, topk_weights, handle, regions, pieces)
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
-            _COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
+            launch = _COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
             self._peer_streams.join()
         else:
+            pieces = 0
             senders, reducers = split_programs(config.num_sms, t.combine_sender_fraction)
-            _COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
-                     constants(senders, reducers, senders), t.warps)
+            launch = _COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
+                              constants(senders, reducers, senders), t.warps)
         self.combine_released += reducers
+        if bias[0] is None and bias[1] is None:   # the next such call may repeat this launch
+            plan.combine_repeat = CombineRepeat.learn(
+                self, x, topk_weights, config.num_sms, launch, out, out_weights, num_tokens, reducers, pieces,
+                regions, self.combine_epoch, self.combine_released - reducers)
         return out, out_weights
+
+    def _fork_combine_copies(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
+                             regions: list[int], pieces: int) -> None:
+        """The copy-engine combine's side work for epoch ``combine_epoch``: the top-k weights to
+        every peer (on the current stream: the tail words publish them), then each peer's rows
+        in ``pieces`` pieces on its side stream (``join`` after the reduction's launch)."""
+        plan: SendPlan = handle.backend_state
+        if plan.combine_copies is None:
+            plan.combine_copies = combine_copies(plan.counts, self.rank)
+        if topk_weights is not None and self.num_ranks > 1:
+            push_combine_weights(topk_weights, handle.rank_prefix_matrix, self.memory.peer_base_ptrs, regions[1],
+                                 self.rank, self.num_ranks, self._launch_key)
+        self._peer_streams.fork(combine_copy_jobs(
+            x, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
+            self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces, self._launch_key,
+            self._driver if self.tuning.combine_driver else None))
+
+    def repeat_combine(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
+                       num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        repeat = getattr(handle.backend_state, "combine_repeat", None)
+        return None if repeat is None else repeat(x, topk_weights, handle, num_sms)
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:

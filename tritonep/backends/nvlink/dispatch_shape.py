@@ -10,7 +10,7 @@ dispatch and the combine reuse from the dispatch that made the handle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -34,6 +34,12 @@ class SendPlan:
     counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
     max_send_rows: int | None = None        # largest number of rows any rank sends
     combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
+    # Cached dispatches of this handle: where their receive half writes the source indices,
+    # which a cached dispatch does not return (made by the first one).
+    cached_recv_src: torch.Tensor | None = None
+    # The repeat paths (normal_repeat.py) the latest cached dispatch and combine learnt.
+    repeat: Any = None
+    combine_repeat: Any = None
 
 
 @dataclass
@@ -92,14 +98,17 @@ def guess_rows(shape: DispatchShape, tuning: Tuning) -> int | None:
 
 
 def dispatch_outputs(x: torch.Tensor, scales: torch.Tensor | None, shape: DispatchShape, has_topk: bool, rows: int,
-                     pad: bool, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+                     pad: bool, device: torch.device, recv_src: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor | None, ...]:
     """(recv_x, recv_scales, recv_idx, recv_weights, recv_src) of ``rows`` rows; with ``pad``
-    (``num_worst_tokens``) rows past what arrives read as empty: source -1, expert -1, weight 0."""
+    (``num_worst_tokens``) rows past what arrives read as empty: source -1, expert -1, weight 0.
+    ``recv_src``: int32 [rows] to use instead of a new one (a cached dispatch's scratch)."""
     recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=device)
     recv_scales = None if scales is None else torch.empty(rows, shape.scale_words, dtype=scales.dtype, device=device)
     recv_idx = torch.empty(rows, shape.num_topk, dtype=torch.int64, device=device) if has_topk else None
     recv_weights = torch.empty(rows, shape.num_topk, dtype=torch.float32, device=device) if has_topk else None
-    recv_src = torch.empty(rows, dtype=torch.int32, device=device)
+    if recv_src is None:
+        recv_src = torch.empty(rows, dtype=torch.int32, device=device)
     if pad:
         recv_src.fill_(-1)
         if has_topk:

@@ -86,12 +86,14 @@ class _Setup:
         else:
             self.launch, self.fallback = None, run
 
-    def __call__(self, stream: int) -> None:
+    def __call__(self, stream: int, args: list | None = None) -> None:
+        """Launch on ``stream`` with ``args`` (a raw list of the same form), or with ``self.args``."""
+        raw = self.args if args is None else args
         if self.launch is not None:
             self.launch(self.grid, 1, 1, stream, self.function, self.cooperative, self.pdl, None, None,
-                        self.metadata, None, None, None, *self.args)
+                        self.metadata, None, None, None, *raw)
         else:
-            self.fallback(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *self.args)
+            self.fallback(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *raw)
 
 
 class FastLauncher:
