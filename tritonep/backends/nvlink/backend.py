@@ -459,7 +459,9 @@ class NvlinkBackend(Backend):
         plan: SendPlan = handle.backend_state
         if plan.combine_copies is None:
             plan.combine_copies = combine_copies(plan.counts, self.rank)
-        if topk_weights is not None and self.num_ranks > 1:
+        if not plan.combine_copies:   # no rows go to a peer (one rank, or all stay here): nothing to send
+            return
+        if topk_weights is not None:
             push_combine_weights(topk_weights, handle.rank_prefix_matrix, self.memory.peer_base_ptrs, regions[1],
                                  self.rank, self.num_ranks, self._launch_key)
         self._peer_streams.fork(combine_copy_jobs(

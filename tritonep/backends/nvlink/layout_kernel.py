@@ -42,7 +42,11 @@ def dispatch_layout_kernel(
     tl.atomic_add(num_tokens_per_rank_ptr + ranks, tl.sum(in_rank, axis=0), mask=rank_mask)
 
 
-_LAYOUT = FastLauncher(dispatch_layout_kernel)
+# The grid, K, E, R and the block are the setup (its constexprs are built only when it is new);
+# a call converts only these (launcher.py).
+_LAYOUT = FastLauncher(dispatch_layout_kernel, changing=(
+    "topk_idx_ptr", "num_tokens", "num_tokens_per_rank_ptr", "num_tokens_per_expert_ptr", "is_token_in_rank_ptr",
+    "invalid_ids_ptr"))
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
@@ -59,9 +63,10 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
     num_tokens_per_rank, num_tokens_per_expert = counts[:num_ranks], counts[num_ranks:]
     is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
     if num_tokens > 0:
-        _LAYOUT(triton.cdiv(num_tokens, block_n), None,
+        grid = -(-num_tokens // block_n)   # (triton.cdiv's JIT wrapper costs microseconds per call)
+        _LAYOUT(grid, (grid, num_topk, num_experts, num_ranks, block_n),
                 (topk_idx, num_tokens, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, invalid_ids,
                  num_experts, num_experts // num_ranks),
-                dict(NUM_TOPK=num_topk, TOPK_PAD=triton.next_power_of_2(num_topk), NUM_RANKS=num_ranks,
-                     RANKS_PAD=triton.next_power_of_2(num_ranks), BLOCK_N=block_n), 4)
+                lambda: dict(NUM_TOPK=num_topk, TOPK_PAD=triton.next_power_of_2(num_topk), NUM_RANKS=num_ranks,
+                             RANKS_PAD=triton.next_power_of_2(num_ranks), BLOCK_N=block_n), 4)
     return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
