@@ -73,12 +73,12 @@ def repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
     generator = torch.Generator().manual_seed(group.rank())
 
     def bf16(tokens: int = TOKENS, hidden: int = HIDDEN) -> torch.Tensor:
-        return torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+        return torch.randn(tokens, hidden, generator=generator, dtype=torch.float32).to(torch.bfloat16)
 
     buffer = make_buffer(group, "nvlink", num_nvl_bytes=nvl_bytes_for(TOKENS, HIDDEN, R), explicitly_destroy=True)
     backend = buffer.backend
-    topk_idx = torch.rand(TOKENS, EXPERTS, generator=generator).topk(TOPK, dim=1).indices
-    weights = torch.rand(TOKENS, TOPK, generator=generator)
+    topk_idx = torch.rand(TOKENS, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
+    weights = torch.rand(TOKENS, TOPK, generator=generator, dtype=torch.float32)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, EXPERTS)
     recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
         bf16(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
