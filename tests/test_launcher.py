@@ -84,6 +84,13 @@ def test_kinds_follow_triton_specialisation() -> None:
     assert launcher._kinds([32, 48]) == launcher._kinds([64, 80])
 
 
+def test_next_power_of_2_is_tritons() -> None:
+    import triton
+
+    assert [launcher.next_power_of_2(v) for v in range(1, 5000)] == [triton.next_power_of_2(v) for v in range(1, 5000)]
+    assert launcher.next_power_of_2(0) == 1
+
+
 def test_every_argument_changing_keys_on_grid_and_constants(kernel) -> None:
     """``changing=None`` (the normal-mode kernels): every argument is converted per call and the
     setup is the grid, warps and constexprs."""

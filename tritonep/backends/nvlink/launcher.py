@@ -35,6 +35,12 @@ def _kinds(raw: list[int]) -> tuple[int, ...]:
     return tuple([(value & 15 == 0) + 2 * (value == 1) + 4 * (-2**31 <= value < 2**31) for value in raw])
 
 
+def next_power_of_2(value: int) -> int:
+    """``triton.next_power_of_2`` for a call's host path: Triton's goes through its JIT wrapper,
+    1.5 us per call on a workstation CPU against 0.04 us for this."""
+    return 1 << max(value - 1, 0).bit_length()
+
+
 def programs_per_multiprocessor(registers_per_thread: int, num_warps: int, shared_bytes: int,
                                  registers_per_multiprocessor: int = 65536, threads_per_multiprocessor: int = 2048,
                                  shared_per_multiprocessor: int = 233472) -> int:

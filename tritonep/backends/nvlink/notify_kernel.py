@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import FastLauncher
+from .launcher import FastLauncher, next_power_of_2
 from .memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
 from .sync import GPU_KERNELS, PHASE_NOTIFY, fence_system, publish, store_relaxed, wait_at_least
 
@@ -167,8 +167,8 @@ def notify_dispatch(
     send_pos = torch.empty(num_tokens + 1, num_ranks, dtype=torch.int32, device=device)
     result = torch.empty(num_ranks * num_ranks + experts_per_rank + 2, dtype=torch.int32, device=device) \
         if exchange else None
-    block_t = min(1024, triton.next_power_of_2(max(num_tokens, 1)))
-    experts_pad = triton.next_power_of_2(max(experts_per_rank, 1))
+    block_t = min(1024, next_power_of_2(num_tokens))
+    experts_pad = next_power_of_2(experts_per_rank)
 
     def constants() -> dict:   # made only when the setup is new (FastLauncher)
         layout = memory.signals
