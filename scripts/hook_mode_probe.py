@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -26,20 +25,14 @@ import torch
 import torch.distributed as dist
 
 import tritonep
-from tritonep.bench_timing import flush_l2, load_deepep
-from tritonep.launch import free_port
+from tritonep.bench_low_latency import _one
+from tritonep.bench_timing import load_deepep
+from tritonep.launch import init_one_rank_gpu_group
 
 
 def _event_us(fn: Callable[[], object]) -> float:
     """The bench's per-call figure: L2 flushed, GPU idle at the start event, launch included."""
-    flush_l2()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
+    return _one(dist.group.WORLD, fn)
 
 
 def _host_us(fn: Callable[[], object]) -> float:
@@ -169,11 +162,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile of 200 hook-mode dispatches")
     parser.add_argument("--json")
     args = parser.parse_args()
-    os.environ.setdefault("TRITONEP_BACKEND", "nvlink")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device)
+    device = init_one_rank_gpu_group()
     T, H, E, K = 128, 7168, 288, 8
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(T, H, generator=generator).to(torch.bfloat16).to(device)

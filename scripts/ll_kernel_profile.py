@@ -13,13 +13,12 @@ so the profiled launch is a warm one.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
-from tritonep.launch import free_port
+from tritonep.launch import init_one_rank_gpu_group
 
 
 def main() -> None:
@@ -30,11 +29,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=288)
     parser.add_argument("--topk", type=int, default=8)
     args = parser.parse_args()
-    os.environ.setdefault("TRITONEP_BACKEND", "nvlink")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device)
+    device = init_one_rank_gpu_group()
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = (torch.rand(T, H, generator=gen) * 2 - 1).to(device, torch.bfloat16)

@@ -45,6 +45,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def init_one_rank_gpu_group(device_index: int = 0) -> torch.device:
+    """A one-rank NCCL process group on GPU ``device_index``, with the NVLink backend as the
+    default: for the scripts that profile one process's calls. Returns the device."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("TRITONEP_BACKEND", "nvlink")
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=device)
+    return device
+
+
 class RankFailure(RuntimeError):
     """A function failed on one or more ranks; the message holds their tracebacks."""
 

@@ -61,11 +61,19 @@ def _layout(tensor: torch.Tensor | None) -> tuple | None:
     return tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device()
 
 
-def _unusable(backend: NvlinkBackend, launch_key: int) -> bool:
-    """The backend's state sends every call through the general path: other kernel shapes, a
-    time-out to report, or a num_worst_tokens dispatch whose counts are still to be checked."""
-    return backend._launch_key != launch_key or bool(backend._status_host[0]) \
-        or backend._unchecked_padding is not None
+def _fitting_addresses(repeat: CachedDispatchRepeat | CombineRepeat, num_sms: int, main: torch.Tensor,
+                       other: torch.Tensor | None) -> tuple[int, int] | None:
+    """(main's address, other's or else main's) when a call with these inputs fits what
+    ``repeat`` learnt, else None: another layout or ``num_sms``, a misaligned input, or a
+    backend whose state sends every call through the general path (other kernel shapes, a
+    time-out to report, a num_worst_tokens dispatch whose counts are still to be checked)."""
+    backend = repeat.backend
+    if (num_sms != repeat.num_sms or backend._launch_key != repeat.launch_key or backend._status_host[0]
+            or backend._unchecked_padding is not None or (_layout(main), _layout(other)) != repeat.layout):
+        return None
+    main_address = main.data_ptr()
+    other_address = main_address if other is None else other.data_ptr()
+    return None if (main_address | other_address) & 15 else (main_address, other_address)
 
 
 class CachedDispatchRepeat:
@@ -105,15 +113,11 @@ class CachedDispatchRepeat:
 
     def __call__(self, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int) -> Any:
         """recv_x (or (recv_x, recv_scales)) of the cached dispatch, or None: take the general path."""
-        backend = self.backend
-        if num_sms != self.num_sms or _unusable(backend, self.launch_key) or (_layout(x), _layout(scales)) != \
-                self.layout:
+        addresses = _fitting_addresses(self, num_sms, x, scales)
+        if addresses is None:
             return None
-        x_address = x.data_ptr()
-        scales_address = x_address if scales is None else scales.data_ptr()
-        if (x_address | scales_address) & 15:
-            return None
-        device = backend.device
+        x_address, scales_address = addresses
+        backend, device = self.backend, self.backend.device
         recv_x = torch.empty(self.rows, x.shape[1], dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(self.rows, self.scale_words, dtype=scales.dtype,
                                                               device=device)
@@ -167,15 +171,11 @@ class CombineRepeat:
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
                  num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(combined_x, combined_topk_weights), launched, or None: take the general path."""
-        backend = self.backend
-        if num_sms != self.num_sms or _unusable(backend, self.launch_key) or (_layout(x), _layout(topk_weights)) != \
-                self.layout:
+        addresses = _fitting_addresses(self, num_sms, x, topk_weights)
+        if addresses is None:
             return None
-        x_address = x.data_ptr()
-        weights_address = x_address if topk_weights is None else topk_weights.data_ptr()
-        if (x_address | weights_address) & 15:
-            return None
-        device = backend.device
+        x_address, weights_address = addresses
+        backend, device = self.backend, self.backend.device
         out = torch.empty(self.num_tokens, x.shape[1], dtype=torch.bfloat16, device=device)
         out_weights = None if topk_weights is None else torch.empty(
             self.num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
