@@ -164,14 +164,16 @@ def test_gpu_variants(gpu_pool, variant: str) -> None:
 
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("tuning", [dict(combine_driver=False), dict(combine_pieces=3),
-                                    dict(combine_pieces=1, combine_driver=False)],
+                                    dict(combine_pieces=1, combine_driver=False), dict(copy_engine_combine=False)],
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_gpu_combine_piece_paths(gpu_pool, tuning: dict) -> None:
     """Both ways the combine's pieces cross to the peers (driver copies and stream writes when
     cuda-bindings is installed, else torch copies and a signal kernel each), with top-k weights
-    and several piece counts. (At one rank there are no pieces: run with 2+ ranks.)"""
+    and several piece counts, and the combine whose SM programs push the rows; each call made
+    twice, so that the second repeats the first's launches. (At one rank there are no pieces:
+    run with 2+ ranks.)"""
     case = Case(seed=77, tokens=_tokens(gpu_pool, 1500, 900), hidden=7168, num_experts=_experts(gpu_pool, 64),
-                num_topk=8, num_sms=24)
+                num_topk=8, num_sms=24, repeats=2)
     _check(gpu_pool, case, nvl_bytes=1 << 30, tuning=tuning)
 
 
