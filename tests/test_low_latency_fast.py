@@ -51,13 +51,20 @@ class RecordedLaunch:
 
 
 class NoKernel:
-    """``kernel[grid](...)`` that compiles and runs nothing (FastLauncher's first call)."""
+    """``kernel[grid](...)`` (FastLauncher's first call of a setup) that compiles and runs
+    nothing, but records the launch in ``RecordedLaunch.log`` as a learnt one would, setup None:
+    a call that makes a new setup (the normal-mode epochs and release targets do now and then,
+    as the launcher keys them finer than Triton specialises them) still shows what it launched."""
 
     def __init__(self, kernel: object) -> None:
         self.arg_names = kernel.arg_names
 
     def __getitem__(self, grid: tuple) -> object:
-        return lambda *args, **kwargs: None
+        def launch(*args: object, num_warps: int, **constants: object) -> None:
+            raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
+            RecordedLaunch.log.append((None, grid[0], tuple(raw + [constants[name]
+                                                                   for name in self.arg_names[len(args):]])))
+        return launch
 
 
 def _host_state(engine: object) -> tuple:

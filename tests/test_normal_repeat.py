@@ -4,11 +4,11 @@ launch exactly what the general path launches, and decline whatever they were no
 As in tests/test_low_latency_fast.py: under Triton's interpreter the NVLink backend makes no
 compiled launches, so nothing would be learnt. Here a real fresh dispatch (on the interpreter)
 makes the handle; then the kernels are replaced by stand-ins that compile nothing, and every
-launch records its raw argument list. Every cached dispatch and combine then runs twice from
-the same host state, through the repeat path and through the general path: the launches (with
-each run's new outputs named instead of their addresses), the results' shapes and the host
-counters after must be equal. The kernels themselves run in the GPU tests, where repeated calls
-take these paths.
+launch records its raw argument list (that file's ``NoKernel`` and ``RecordedLaunch``). Every
+cached dispatch and combine then runs twice from the same host state, through the repeat path
+and through the general path: the launches (with each run's new outputs named instead of their
+addresses), the results' shapes and the host counters after must be equal. The kernels
+themselves run in the GPU tests, where repeated calls take these paths.
 """
 
 from __future__ import annotations
@@ -22,24 +22,6 @@ import torch.distributed as dist
 import tritonep as deep_ep
 
 TOKENS, HIDDEN, EXPERTS, TOPK, CALLS = 12, 256, 8, 3, 3
-
-
-class _FirstLaunches:
-    """``kernel[grid](...)`` that compiles and runs nothing but records the launch as a learnt one
-    would (FastLauncher's first call of a setup; the calls' epochs and release targets make new
-    setups now and then, as the launcher keys them finer than Triton specialises them)."""
-
-    def __init__(self, kernel: object) -> None:
-        self.arg_names = kernel.arg_names
-
-    def __getitem__(self, grid: tuple) -> object:
-        def launch(*args: object, num_warps: int, **constants: object) -> None:
-            from test_low_latency_fast import RecordedLaunch
-
-            raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
-            RecordedLaunch.log.append((None, grid[0], tuple(raw + [constants[name]
-                                                                   for name in self.arg_names[len(args):]])))
-        return launch
 
 
 def _tensors(result: object) -> list[torch.Tensor]:
@@ -63,7 +45,7 @@ def _shapes(result: object) -> tuple:
 
 def repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
     from nvlink_cases import count_repeats, make_buffer, uncount_repeats
-    from test_low_latency_fast import RecordedLaunch
+    from test_low_latency_fast import NoKernel, RecordedLaunch
 
     from tritonep.backends.nvlink import backend as nvlink_backend
     from tritonep.backends.nvlink import combine_copy_engine, launcher, normal_repeat
@@ -122,7 +104,7 @@ def repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
         launcher._Setup = RecordedLaunch
         launcher.current_stream = normal_repeat.current_stream = lambda: 7
         for item in launchers:
-            item.kernel = _FirstLaunches(item.kernel)
+            item.kernel = NoKernel(item.kernel)
         # Cached dispatch, bf16 and fp8; then combine with and without top-k weights.
         for make_x in (bf16, lambda: deep_ep.utils.per_token_cast_to_fp8(bf16())):
             buffer.dispatch(make_x(), handle=handle)   # the general path learns

@@ -361,16 +361,14 @@ class Buffer:
         # A cached dispatch repeated as before (every layer's backward in training): the backend
         # checks x against the call it learnt and launches, or returns None and the general path
         # below checks everything (backends/nvlink/normal_repeat.py).
-        if (type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id and not self._destroyed
-                and num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
+        num_sms = self._repeat_num_sms(handle, config, previous_event, async_finish, allocate_on_comm_stream)
+        if (num_sms and num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
                 and num_tokens_per_expert is None and topk_idx is None and topk_weights is None
                 and type(num_worst_tokens) is int and not num_worst_tokens and type(expert_alignment) is int
-                and expert_alignment >= 1 and previous_event is None and not async_finish
-                and not allocate_on_comm_stream and (config is None or type(config) is Config)):
+                and expert_alignment >= 1):
             data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
             if type(data) is torch.Tensor and (scales is None or type(scales) is torch.Tensor):
-                recv_x = self.backend.repeat_cached_dispatch(data, scales, handle,
-                                                             Buffer.num_sms if config is None else config.num_sms)
+                recv_x = self.backend.repeat_cached_dispatch(data, scales, handle, num_sms)
                 if recv_x is not None:
                     return recv_x, None, None, None, None, _NO_EVENT
         self._check_alive()
@@ -464,12 +462,10 @@ class Buffer:
             event: the event to wait on when ``async_finish``.
         """
         # A combine repeated as before (every layer, every step): as in dispatch's repeat path.
-        if (type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id and not self._destroyed
-                and type(x) is torch.Tensor and (topk_weights is None or type(topk_weights) is torch.Tensor)
-                and bias is None and previous_event is None and not async_finish and not allocate_on_comm_stream
-                and (config is None or type(config) is Config)):
-            combined = self.backend.repeat_combine(x, topk_weights, handle,
-                                                   Buffer.num_sms if config is None else config.num_sms)
+        num_sms = self._repeat_num_sms(handle, config, previous_event, async_finish, allocate_on_comm_stream)
+        if (num_sms and type(x) is torch.Tensor and (topk_weights is None or type(topk_weights) is torch.Tensor)
+                and bias is None):
+            combined = self.backend.repeat_combine(x, topk_weights, handle, num_sms)
             if combined is not None:
                 return combined[0], combined[1], _NO_EVENT
         self._check_alive()
@@ -735,6 +731,19 @@ class Buffer:
         rank_mask.zero_()
 
     # ------------------------------------------------------------------ internals
+    def _repeat_num_sms(self, handle: object, config: object, previous_event: object, async_finish: object,
+                        allocate_on_comm_stream: object) -> int | None:
+        """What dispatch's and combine's repeat paths ask first (one attribute read each): the
+        call's num_sms when it has this live Buffer's handle, a Config or None, and no stream
+        options; else None (the general path checks and raises)."""
+        if (type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id and not self._destroyed
+                and previous_event is None and not async_finish and not allocate_on_comm_stream):
+            if config is None:
+                return Buffer.num_sms
+            if type(config) is Config:
+                return config.num_sms
+        return None
+
     def _check_alive(self) -> None:
         require(not self._destroyed, "this Buffer was destroyed")
 
