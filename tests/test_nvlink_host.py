@@ -19,7 +19,7 @@ from tritonep.backends.nvlink.combine_copy_engine import (  # noqa: E402
     pieces_per_peer,
 )
 from tritonep.backends.nvlink.side_streams import PeerStreams  # noqa: E402
-from tritonep.backends.nvlink.tuning import Tuning, tile_block, tile_rows, with_changes  # noqa: E402
+from tritonep.backends.nvlink.tuning import Tuning, reduce_tokens, tile_block, tile_rows, with_changes  # noqa: E402
 
 count_matrices = st.integers(1, 6).flatmap(
     lambda r: st.lists(st.lists(st.integers(0, 50), min_size=r, max_size=r), min_size=r, max_size=r))
@@ -69,6 +69,13 @@ def test_pieces_per_peer_keep_the_host_issue_bounded() -> None:
     assert [pieces_per_peer(r, 0) for r in (1, 2, 3, 4, 5, 6, 8)] == [2, 2, 2, 2, 2, 1, 1]
     assert all(pieces_per_peer(r, 0) * (r - 1) <= MAX_PIECES for r in range(2, 10))
     assert pieces_per_peer(8, 3) == 3 and pieces_per_peer(2, 1) == 1
+
+
+def test_reduce_tokens_by_rank_count() -> None:
+    """The combine's reduction tile: 8 tokens at one rank (one copy per token to load), 4 at
+    every other rank count until measured there; a set value is kept."""
+    assert [reduce_tokens(0, r) for r in (1, 2, 3, 4, 8)] == [8, 4, 4, 4, 4]
+    assert reduce_tokens(2, 1) == 2 and reduce_tokens(1, 8) == 1
 
 
 def test_tile_rows_keep_about_128_kb_per_tile() -> None:

@@ -43,7 +43,7 @@ from .normal_repeat import CachedDispatchRepeat, CombineRepeat
 from .notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
 from .side_streams import PeerStreams
 from .sync import GPU_KERNELS, INTERPRET, timeout_error
-from .tuning import Tuning, split_programs, tile_block, tile_shape
+from .tuning import Tuning, reduce_tokens, split_programs, tile_block, tile_shape
 
 # A launch converts only these arguments per call; the others are fixed by the backend and
 # the call's shape, which the setup key stands for (``DispatchShape``, ``combine``).
@@ -427,8 +427,9 @@ class NvlinkBackend(Backend):
                     TAIL_WORD=self.memory.signals.combine_tail, DONE_WORD=self.memory.signals.combine_done,
                     MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
                     NUM_TOPK=max(num_topk, 1), TOPK_PAD=pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-                    HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block), TOKENS=t.tokens,
-                    STAGE=t.stage, GPU=GPU_KERNELS, COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
+                    HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block),
+                    TOKENS=reduce_tokens(t.tokens, R), STAGE=t.stage, GPU=GPU_KERNELS,
+                    COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
                     NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=channels, **shape)
             return make
         if plan.counts is not None and t.copy_engine_combine:

@@ -23,7 +23,7 @@ class Tuning:
     rows: int = int(os.environ.get("TRITONEP_ROWS", "0"))          # rows per tile; 0: by row size (tile_rows)
     block: int = int(os.environ.get("TRITONEP_BLOCK", "0"))        # columns per chunk; 0: tile_block
     warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
-    tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "4"))
+    tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "0"))   # combine's tokens per tile; 0: reduce_tokens
     combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
     stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
     # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
@@ -51,6 +51,17 @@ def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
     total = max(2, min(num_sms, MAX_CHANNELS))
     senders = min(max(1, round(total * fraction)), total - 1)
     return senders, total - senders
+
+
+def reduce_tokens(tokens: int, num_ranks: int) -> int:
+    """Tokens per tile of the combine's reduction: ``tokens`` if set, else 8 at one rank and 4
+    otherwise. A tile loads one [tokens, block] chunk per rank a token went to, so at one rank
+    4 tokens keep only 16 KB in flight per program: 8 tokens measured 627 GB/s against 433 there
+    (H200, docs/benchmarks/2026-11-24-h200x1-s6, run 18; 2026-11-25-h100x1-s13), while at EP2
+    (32 KB with 4) neither 2 nor 8 was faster. EP4 and EP8 keep 4 until measured."""
+    if tokens:
+        return tokens
+    return 8 if num_ranks == 1 else 4
 
 
 def tile_rows(rows: int, row_bytes: int) -> int:
