@@ -56,9 +56,10 @@ def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
 def reduce_tokens(tokens: int, num_ranks: int) -> int:
     """Tokens per tile of the combine's reduction: ``tokens`` if set, else 8 at one rank and 4
     otherwise. A tile loads one [tokens, block] chunk per rank a token went to, so at one rank
-    4 tokens keep only 16 KB in flight per program: 8 tokens measured 627 GB/s against 433 there
-    (H200, docs/benchmarks/2026-11-24-h200x1-s6, run 18; 2026-11-25-h100x1-s13), while at EP2
-    (32 KB with 4) neither 2 nor 8 was faster. EP4 and EP8 keep 4 until measured."""
+    4 tokens keep only 16 KB in flight per program: with 8 the combine took 97.5 us against
+    140.2 at 24 SMs, hidden 7168 (H100, docs/benchmarks/2026-11-25-h100x1-s13, run 5), while at
+    EP2 (32 KB with 4) neither 2 nor 8 was faster (2026-11-24-h200x2). EP4 and EP8 keep 4 until
+    measured."""
     if tokens:
         return tokens
     return 8 if num_ranks == 1 else 4
