@@ -71,6 +71,8 @@ class DispatchShape:
         R, t = backend.num_ranks, backend.tuning
         capacity, regions = backend._dispatch_regions(x_words, scale_words, num_topk)
         senders, receivers = split_programs(num_sms, t.sender_fraction)
+        if R == 1:   # nothing to send (no send half is launched): every program copies our own rows
+            receivers += senders
         constants = dict(
             TAIL_WORD=backend.memory.signals.dispatch_tail, DONE_WORD=backend.memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
