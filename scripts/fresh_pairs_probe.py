@@ -25,6 +25,8 @@ import json
 import os
 import pstats
 import statistics
+import sys
+import threading
 import time
 
 import torch
@@ -44,7 +46,19 @@ def _percentiles(values: list[float]) -> dict[str, float]:
             "max": round(ordered[-1], 1)}
 
 
-def run(group: dist.ProcessGroup, iters: int, head_start: bool, profile_after_wait: bool, gc_off: bool) -> dict:
+def _yardstick(tensor: torch.Tensor) -> int:
+    """Nanoseconds of a fixed host workload: four slices of a CUDA tensor and a short Python loop."""
+    begin = time.perf_counter_ns()
+    for rows in (1, 2, 3, 4):
+        tensor[:rows]
+    total = 0
+    for i in range(200):
+        total += i
+    return time.perf_counter_ns() - begin
+
+
+def run(group: dist.ProcessGroup, iters: int, head_start: bool, profile_after_wait: bool, gc_off: bool,
+        yardstick: bool) -> dict:
     os.environ["TRITONEP_BACKEND"] = "nvlink"
     R, rank = group.size(), group.rank()
     N, H, K, E = 4096, 7168, 8, 256
@@ -68,6 +82,8 @@ def run(group: dist.ProcessGroup, iters: int, head_start: bool, profile_after_wa
         try:
             return original_wait(shape)
         finally:
+            if yardstick:   # the same workload right after the wait as before the call (below)
+                marks["yard_after"] = _yardstick(x)
             marks["after_wait"] = (torch.cuda.Event(enable_timing=True), time.perf_counter_ns())
             marks["after_wait"][0].record()
             if profiler is not None and marks.get("profiled"):
@@ -113,6 +129,8 @@ def run(group: dist.ProcessGroup, iters: int, head_start: bool, profile_after_wa
                 if head_start:
                     host_head_start()
                 marks.clear()
+                if yardstick:
+                    marks["yard_before"] = _yardstick(x)
                 marks["profiled"] = name == "fresh"
                 launches[0] = 0
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -132,8 +150,15 @@ def run(group: dist.ProcessGroup, iters: int, head_start: bool, profile_after_wa
         nvlink_backend.dispatch_outputs = original_outputs
 
     by_generation = {g: [ns for generation, ns in collections if generation == g] for g in (0, 1, 2)}
+    fresh_marks = [c[4] for c in records["fresh"]]
+    report_yard = {when: _percentiles([m[when] / 1e3 for m in fresh_marks])
+                   for when in ("yard_before", "yard_after")} if yardstick else None
     report: dict = {"rank": rank, "ranks": R, "head_start": head_start, "gc_off": gc_off,
+                    "threads": [thread.name for thread in threading.enumerate()],
+                    "switch_interval_s": sys.getswitchinterval(),
                     "collections_count_us": {g: [len(v), round(sum(v) / 1e3, 1)] for g, v in by_generation.items()}}
+    if yardstick:
+        report["yardstick_us"] = report_yard
     if profiler is not None:   # where the host's time after the counts goes (cumulative over the calls)
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
@@ -174,11 +199,13 @@ def main() -> None:
     parser.add_argument("--no-head-start", action="store_true")
     parser.add_argument("--profile-after-wait", action="store_true")
     parser.add_argument("--gc-off", action="store_true")
+    parser.add_argument("--yardstick", action="store_true", help="time a fixed host workload after the wait and "
+                        "before the call")
     parser.add_argument("--json")
     args = parser.parse_args()
     with RankPool(args.ranks, use_gpu=True, timeout=300) as pool:
         reports = pool.run(run, args.iters, not args.no_head_start, args.profile_after_wait,
-                           args.gc_off)
+                           args.gc_off, args.yardstick)
     for report in reports:
         print(report.pop("after_wait_profile", ""))
         print(json.dumps(report, indent=1))
