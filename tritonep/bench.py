@@ -348,9 +348,13 @@ def _shape_sweep(group, buffer, args, x, topk_idx, topk_weights) -> list[dict]:
     default = buffer.backend.tuning
     # block: the row-moving chunk (default 64 KB, tuning.tile_block, chosen at one rank: its best
     # width over NVLink is still to measure); combine_pieces: 1 and 2 per peer at any rank count.
+    # sender_fraction 1/3 and 0.4: a program moves at most ~47 GB/s of rows (session 13), and at
+    # EP2 the receivers copy twice the rows the senders push (own rows and arrived rows against
+    # the rows sent), so a third of the programs sending should balance the halves there.
     variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=1024), dict(block=4096),
                 dict(combine_pieces=1), dict(combine_pieces=2),
                 dict(tokens=1), dict(tokens=2), dict(tokens=8), dict(combine_block=1024), dict(combine_block=4096),
+                dict(sender_fraction=1 / 3), dict(sender_fraction=0.4),
                 dict(sender_fraction=0.5, combine_sender_fraction=0.25),
                 dict(sender_fraction=0.75, combine_sender_fraction=0.5)]
     for change in variants:
