@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in one call: GPU tests, the benchmark, the demo.
 # Logs and JSON go to $OUT (the device tool brings that folder back).
-#   bash scripts/gpu_check.sh [quick|full|normal|tests|bench|profile|ll|llprofile|llsource|llab|compat|shared|host|sweep|fresh|cehost]
+#   bash scripts/gpu_check.sh [quick|full|normal|short|tests|bench|profile|ll|llprofile|llsource|llab|compat|shared|host|sweep|fresh|cehost]
 #     normal: normal mode (tests, STRESS=N: N rounds of scripts/dispatch_stress.py per
 #     STRESS_VARIANTS, profile unless PROFILE=0, HOST_PROBE=1: host-path probe, bench with DeepEP,
-#     low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests);
+#     low-latency part too when BENCH_ARGS is set; DeepEP builds during the tests); short: for a
+#     multi-GPU machine with little device time, a subset of the tests, the bench at R ranks
+#     (both modes) and at EP2 beside DeepEP, in one call;
 #     full: GPU tests, benchmark (SWEEP=0: without its sweeps; DeepEP side by side when
 #     .bench_deps holds its sources), demo; tests / bench: the first / the second part alone;
 #     profile: scripts/normal_profile.py (kernel and copy times of the normal-mode calls);
@@ -271,6 +273,36 @@ if [ "$MODE" = shared ]; then
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     fi
   done
+  exit $status
+fi
+
+if [ "$MODE" = short ]; then
+  # A machine of several GPUs and little device time left: one call of about 7 minutes with
+  # the figures both open issues need. DeepEP builds on the CPUs while a subset of the GPU tests
+  # runs at R ranks (one per GPU; SHORT_TESTS picks them); then the benchmark at R ranks beside
+  # DeepEP, normal and low-latency modes, no sweep; then, with more than 2 GPUs, the normal-mode
+  # benchmark at EP2 beside DeepEP.
+  start_deepep_build
+  gpus=$(nvidia-smi -L | wc -l)
+  echo "== GPU tests at $gpus ranks (${SHORT_TESTS:-variants, hidden 7168, fresh then cached, low-latency shapes and micro-batches})"
+  TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
+    timeout ${TEST_TIMEOUT:-180} python3 -m pytest -q -m gpu -rf tests/test_nvlink.py tests/test_nvlink_low_latency.py \
+    -k "${SHORT_TESTS:-variants or 7168 or fresh_then_cached or benchmark_shape or two_micro_batches}" \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  wait_deepep_build && export PYTHONPATH="/tmp/deepep:$PYTHONPATH"
+  echo "== benchmark at $gpus ranks beside DeepEP"
+  timeout ${BENCH_TIMEOUT:-200} python3 -m tritonep.bench --vs-deepep --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
+    | grep -v Warning | tail -50
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ "$gpus" -gt 2 ]; then
+    echo "== normal-mode benchmark at 2 ranks beside DeepEP"
+    timeout ${BENCH_TIMEOUT:-200} python3 -m tritonep.bench --ranks 2 --vs-deepep --skip-low-latency --out "$OUT/bench_ep2" \
+      2>&1 | tee "$OUT/bench_ep2.log" | grep -v Warning | tail -30
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
+  # One archive: the device tool brings back at most 8 files per call.
+  tar czf /tmp/short.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/short.tgz "$OUT"/
   exit $status
 fi
 
