@@ -277,11 +277,11 @@ if [ "$MODE" = shared ]; then
 fi
 
 if [ "$MODE" = short ]; then
-  # A machine of several GPUs and little device time left: one call of under 10 minutes (time limits 180 + 200 + 200 s) with
-  # the figures both open issues need. DeepEP builds on the CPUs while a subset of the GPU tests
-  # runs at R ranks (one per GPU; SHORT_TESTS picks them); then the benchmark at R ranks beside
-  # DeepEP, normal and low-latency modes, no sweep; then, with more than 2 GPUs, the normal-mode
-  # benchmark at EP2 beside DeepEP.
+  # A machine of several GPUs and little device time left: one call of under 10 minutes (time
+  # limits 180 + 200 + 200 s) with the figures both open issues need. DeepEP builds on the CPUs
+  # while a subset of the GPU tests runs at R ranks (one per GPU; SHORT_TESTS picks them); then
+  # the benchmark at R ranks beside DeepEP, normal and low-latency modes, no sweep; then, with
+  # more than 2 GPUs, the normal-mode benchmark at EP2 beside DeepEP.
   start_deepep_build
   gpus=$(nvidia-smi -L | wc -l)
   echo "== GPU tests at $gpus ranks (${SHORT_TESTS:-variants, hidden 7168, fresh then cached, low-latency shapes and micro-batches})"
