@@ -12,6 +12,12 @@ same timed calls and keeps every call's figures:
 * host: the same four points on the CPU clock, relative to the start event's record;
 * how many times the receive half was launched (2: the guessed outputs were too small).
 
+It repeats the bench's timing steps (align, flush, head start, events) instead of calling
+``bench._call_times_us``, which keeps only the start-to-end times: the marks above need the
+start event and a stamp per call. Options: ``--no-head-start``; ``--gc-off``;
+``--profile-after-wait`` (cProfile of the host's work after the counts); ``--yardstick`` (a fixed
+host workload timed right after the wait and before each call).
+
     PYTHONPATH=. python scripts/fresh_pairs_probe.py [--iters 100] [--json PATH]
 """
 

@@ -179,8 +179,9 @@ def _measure_buffer(group, buffer, args, x, topk_idx, topk_weights, num_sms: int
     if fp8:   # the main measurement of tritonep and DeepEP (the sweeps and the all_to_all path skip these)
         # The end event is recorded after the host has the counts and did its work after them,
         # so this row is the count exchange plus whatever of that host work outlasts the receive
-        # kernel: at one rank (a 112 us receive) it followed the host's speed, 18 us in one run
-        # and 62-78 us in another (docs/benchmarks/2026-11-25-h100x1-s13, fresh_pairs_probe.py).
+        # kernel: at one rank (a 112 us receive then, 64 us since every program receives there)
+        # it followed the host's speed, 18 us in one run and 62-78 us in another
+        # (docs/benchmarks/2026-11-25-h100x1-s13, fresh_pairs_probe.py).
         result["fresh_minus_cached_dispatch_us"] = _extra_us(group, fresh, cached, iters)
         result["cached_dispatch_fp8_us"] = _median_us(group, lambda: buffer.dispatch(x_fp8, handle=handle,
                                                                                      config=config), iters)
