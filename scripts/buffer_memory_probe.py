@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
 
 GIB = 1 << 30
 

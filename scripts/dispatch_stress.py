@@ -20,7 +20,7 @@ import torch.distributed as dist
 from nvlink_cases import Case, _buffers, compare_case
 
 from tritonep.backends.nvlink.tuning import with_changes
-from tritonep.launch import RankPool, gpu_ranks
+from tritonep.rank_pool import RankPool, gpu_ranks
 
 
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:

@@ -28,8 +28,8 @@ import tritonep
 from tritonep import utils
 from tritonep.backends.nvlink.tuning import with_changes
 from tritonep.bench import _call_times_us
-from tritonep.buffer import nvl_bytes_for
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
+from tritonep.v1.buffer import nvl_bytes_for
 
 
 def _kernel_us(fn) -> float:

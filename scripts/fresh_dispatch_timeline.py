@@ -10,7 +10,7 @@ beside the GPU time of a fresh and a cached call (CUDA events, idle GPU at the s
 
     PYTHONPATH=. python scripts/fresh_dispatch_timeline.py [--ranks R] [--calls 50] [--json PATH]
 
-More ranks than GPUs share them (``tritonep.launch``): the host stages then still show what
+More ranks than GPUs share them (``tritonep.rank_pool``): the host stages then still show what
 each rank's host does per call (the combine's per-peer copies grow with R), not GPU speed.
 """
 
@@ -30,8 +30,8 @@ import tritonep as deep_ep
 from tritonep.backends.nvlink import backend as nvlink_backend
 from tritonep.bench_low_latency import _one, _timed_us  # idle GPU at the start event, L2 flushed, slowest rank
 from tritonep.bench_timing import slowest
-from tritonep.buffer import nvl_bytes_for
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
+from tritonep.v1.buffer import nvl_bytes_for
 
 
 def _stamped(stamps: list, name: str, fn):
@@ -55,9 +55,9 @@ def _start_together(group: dist.ProcessGroup) -> None:
 def _targets() -> list[tuple[object, str]]:
     """The host steps whose inclusive time is reported (owner, attribute): torch's allocator
     and stream calls as the library makes them, the checks, the launcher, the backend's steps."""
-    from tritonep import buffer as buffer_module
-    from tritonep import checks, routing
-    from tritonep.backends.nvlink import launcher, side_streams
+    from tritonep.core import checks, routing
+    from tritonep.runtime import launcher, side_streams
+    from tritonep.v1 import buffer as buffer_module
     return [(torch, "empty"), (torch, "zeros"), (torch.Tensor, "view"), (torch.Tensor, "tolist"),
             (torch.Tensor, "copy_"), (torch.Tensor, "narrow"),
             (torch.cuda.Event, "record"), (torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "wait_event"),

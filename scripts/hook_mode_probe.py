@@ -27,7 +27,7 @@ import torch.distributed as dist
 import tritonep
 from tritonep.bench_low_latency import _one
 from tritonep.bench_timing import load_deepep
-from tritonep.launch import init_one_rank_gpu_group
+from tritonep.rank_pool import init_one_rank_gpu_group
 
 
 def _event_us(fn: Callable[[], object]) -> float:

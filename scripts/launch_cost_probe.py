@@ -21,9 +21,9 @@ import triton.language as tl
 
 import tritonep as deep_ep
 from tritonep.backends.base import LowLatencyDispatchRequest
-from tritonep.backends.nvlink.launcher import FastLauncher, current_stream
 from tritonep.bench_timing import back_to_back_host_us as host_us  # the host-path probe's rounds
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
+from tritonep.runtime.launcher import FastLauncher, current_stream
 
 
 @triton.jit(do_not_specialize=["a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8"])

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
-from tritonep.launch import init_one_rank_gpu_group
+from tritonep.rank_pool import init_one_rank_gpu_group
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import tritonep
 from tritonep.backends.nvlink.tuning import with_changes
 from tritonep.bench import _median_us
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
 
 CALLS = 20
 

@@ -18,7 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
 
 
 def probe(group: dist.ProcessGroup) -> str:

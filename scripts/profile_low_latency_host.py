@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
 
 
 def run(group: dist.ProcessGroup) -> dict:

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonep.backends.nvlink.rows import copy_rows
+from tritonep.device.rows import copy_rows
 
 try:
     from triton.experimental import gluon

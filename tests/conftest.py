@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from tritonep.launch import gpu_ranks
+from tritonep.rank_pool import gpu_ranks
 
 # CI runs on 2 CPU cores: keep property tests modest, and no per-example deadline because a
 # multi-process test's first example also pays for process start-up and warm caches.
@@ -65,7 +65,7 @@ def gpu_pool():
     ranks beyond the GPU count share them), made once per test module."""
     from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
 
-    from tritonep.launch import RankPool
+    from tritonep.rank_pool import RankPool
 
     pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
     yield pool
@@ -79,7 +79,7 @@ def interpreter_pools():
     Tests that use it are marked ``interpreter`` (see pytest_collection_modifyitems)."""
     from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE reruns (tests/torch_defaults.py)
 
-    from tritonep.launch import RankPool
+    from tritonep.rank_pool import RankPool
 
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

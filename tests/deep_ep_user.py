@@ -24,7 +24,7 @@ import torch.distributed as dist
 from collective_inputs import random_routing
 
 import tritonep as deep_ep
-from tritonep.launch import RankPool, gpu_ranks, group_on_gpu
+from tritonep.rank_pool import RankPool, gpu_ranks, group_on_gpu
 
 SEED = 5
 INT32_MASK = (1 << 32) - 1

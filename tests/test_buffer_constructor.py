@@ -25,8 +25,8 @@ from nvlink_cases import make_buffer
 from torch_defaults import pool_options
 
 import tritonep as deep_ep
-from tritonep import backend_choice
-from tritonep.launch import RankPool
+from tritonep.backends import choice as backend_choice
+from tritonep.rank_pool import RankPool
 
 V1_PARAMETERS = [("group", inspect.Parameter.empty), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
                  ("low_latency_mode", False), ("num_qps_per_rank", 24), ("allow_nvlink_for_low_latency_mode", True),

@@ -14,8 +14,8 @@ from collective_inputs import brute_force_combine, odd_strides_if_empty, random_
 from torch_defaults import pool_options
 
 import tritonep as deep_ep
-from tritonep.checks import InputError
-from tritonep.launch import RankPool
+from tritonep.core.checks import InputError
+from tritonep.rank_pool import RankPool
 
 NUM_EXPERTS = 12  # divisible by 1, 2, 3 and 4 ranks
 T = 6             # num_max_dispatch_tokens_per_rank
@@ -166,7 +166,7 @@ def case_fp8_round_trip(group, seed: int, round_scale: bool, use_ue8m0: bool) ->
     (data, scales), _, handle, _, _ = buffer.low_latency_dispatch(
         x, topk_idx, T, NUM_EXPERTS, use_fp8=True, round_scale=round_scale, use_ue8m0=use_ue8m0)
     if use_ue8m0:
-        # 4 exponent bytes per int32, decoded here independently of tritonep.fp8.
+        # 4 exponent bytes per int32, decoded here independently of tritonep.core.fp8.
         words = scales.clone(memory_format=torch.contiguous_format).view(torch.uint8).float()
         factors = torch.exp2(words - 127)
     else:

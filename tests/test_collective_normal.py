@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from torch_defaults import pool_options
 
 import tritonep as deep_ep
-from tritonep import fp8
-from tritonep.checks import InputError
-from tritonep.launch import RankPool
+from tritonep.core import fp8
+from tritonep.core.checks import InputError
+from tritonep.rank_pool import RankPool
 
 NUM_EXPERTS = 12  # divisible by 1, 2, 3 and 4 ranks
 

@@ -31,7 +31,7 @@ from deep_ep_user import (
 )
 
 import tritonep as deep_ep
-from tritonep.launch import RankFailure, group_on_gpu
+from tritonep.rank_pool import RankFailure, group_on_gpu
 
 
 @pytest.fixture(scope="module", params=RANK_PARAMS)

@@ -24,7 +24,7 @@ from torch_defaults import default_dtype, pool_options, torch_defaults
 
 import tritonep as deep_ep
 from tritonep import InputError
-from tritonep.launch import RankFailure, RankPool
+from tritonep.rank_pool import RankFailure, RankPool
 
 FP8 = torch.float8_e4m3fn
 N, H, E, K, T = 6, 256, 4, 2, 8

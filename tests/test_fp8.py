@@ -1,4 +1,4 @@
-"""tritonep.fp8 against references written out element by element (Python floats, bit ops)."""
+"""tritonep.core.fp8 against references written out element by element (Python floats, bit ops)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tritonep import fp8
+from tritonep.core import fp8
 
 E4M3_MAX = 448.0
 

@@ -15,17 +15,14 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from tritonep.backends.nvlink.combine_copy_engine import (  # noqa: E402
-    combine_piece_signal_kernel,
-    combine_weights_kernel,
-)
-from tritonep.backends.nvlink.combine_kernel import combine_kernel  # noqa: E402
-from tritonep.backends.nvlink.dispatch_kernel import dispatch_kernel  # noqa: E402
-from tritonep.backends.nvlink.layout_kernel import dispatch_layout_kernel  # noqa: E402
-from tritonep.backends.nvlink.low_latency_clean_kernel import low_latency_clean_kernel  # noqa: E402
-from tritonep.backends.nvlink.low_latency_combine_kernel import low_latency_combine_kernel  # noqa: E402
-from tritonep.backends.nvlink.low_latency_dispatch_kernel import low_latency_dispatch_kernel  # noqa: E402
-from tritonep.backends.nvlink.notify_kernel import notify_dispatch_kernel  # noqa: E402
+from tritonep.backends.nvlink.low_latency.clean_kernel import low_latency_clean_kernel  # noqa: E402
+from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_combine_kernel  # noqa: E402
+from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.combine_copy_engine import combine_piece_signal_kernel, combine_weights_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.notify_kernel import notify_dispatch_kernel  # noqa: E402
 
 POINTER_TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16",
                  torch.bool: "*i1", torch.int8: "*i8"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tritonep.launch import RankFailure, RankPool
+from tritonep.rank_pool import RankFailure, RankPool
 
 
 def _rank_sum(group: dist.ProcessGroup, offset: int) -> int:

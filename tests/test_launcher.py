@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonep.backends.nvlink import launcher
+from tritonep.runtime import launcher
 
 
 class _Run:

@@ -194,7 +194,9 @@ def launches_replaced(engine: object, setup: type) -> Iterator[None]:
     ``setup`` (a stand-in for launcher._Setup: ``RecordedLaunch``, or one that does nothing) and
     nothing is compiled or run. On exit the module state is restored and what was learnt is
     dropped."""
-    from tritonep.backends.nvlink import launcher, low_latency, low_latency_fast
+    from tritonep.backends.nvlink.low_latency import engine as low_latency
+    from tritonep.backends.nvlink.low_latency import replay as low_latency_fast
+    from tritonep.runtime import launcher
 
     saved = (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
              launcher.current_stream, low_latency_fast.current_stream)
@@ -220,7 +222,7 @@ def launches_replaced(engine: object, setup: type) -> Iterator[None]:
 def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
     from nvlink_cases import make_buffer
 
-    from tritonep.backends.nvlink.low_latency_fast import FastCombine, FastDispatch
+    from tritonep.backends.nvlink.low_latency.replay import FastCombine, FastDispatch
 
     saved = (FastDispatch.__call__, FastCombine.__call__)
     taken = {"dispatch": 0, "combine": 0}

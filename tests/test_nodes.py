@@ -19,9 +19,9 @@ from collective_inputs import random_routing, stand_in_expert
 from torch_defaults import pool_options
 
 import tritonep as deep_ep
-from tritonep import fp8, topology
-from tritonep.checks import InputError
-from tritonep.launch import RankPool
+from tritonep.core import fp8, topology
+from tritonep.core.checks import InputError
+from tritonep.rank_pool import RankPool
 
 NUM_EXPERTS = 12   # divisible by 4 and 6 ranks
 HIDDEN = 256

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from nvlink_cases import make_buffer, round_trip
 
 import tritonep as deep_ep
-from tritonep.launch import SHARED_GPUS_VARIABLE, RankPool
+from tritonep.rank_pool import SHARED_GPUS_VARIABLE, RankPool
 
 GIB = 1 << 30
 

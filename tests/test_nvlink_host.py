@@ -11,15 +11,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from tritonep import routing  # noqa: E402
-from tritonep.backends.nvlink.combine_copy_engine import (  # noqa: E402
-    MAX_PIECES,
-    combine_copies,
-    piece_range,
-    pieces_per_peer,
-)
-from tritonep.backends.nvlink.side_streams import PeerStreams  # noqa: E402
+from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_range, pieces_per_peer
 from tritonep.backends.nvlink.tuning import Tuning, reduce_tokens, tile_block, tile_rows, with_changes  # noqa: E402
+from tritonep.core import routing  # noqa: E402
+from tritonep.runtime.side_streams import PeerStreams  # noqa: E402
 
 count_matrices = st.integers(1, 6).flatmap(
     lambda r: st.lists(st.lists(st.integers(0, 50), min_size=r, max_size=r), min_size=r, max_size=r))

@@ -25,7 +25,7 @@ from low_latency_cases import (
 )
 from torch_defaults import pool_options
 
-from tritonep.launch import RankPool, gpu_ranks
+from tritonep.rank_pool import RankPool, gpu_ranks
 
 
 def _check(pool: RankPool, case: LowLatencyCase) -> None:

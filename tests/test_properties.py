@@ -3,7 +3,7 @@
 Hypothesis draws the routing of a whole world (every rank's tokens, top-k ids and weights) in
 the pytest process; one long-lived ``RankPool`` per world size runs the calls, each rank
 picking its own inputs, and hands back its raw outputs. Every expected value is computed here
-by brute-force loops over (source rank, token, k) that share no code with ``tritonep.routing``.
+by brute-force loops over (source rank, token, k) that share no code with ``tritonep.core.routing``.
 
 fp8 tensors cannot be pickled by torch, so they travel between processes as uint8 views.
 """
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch_defaults import pool_options
 
-from tritonep.launch import RankFailure, RankPool
-from tritonep.topology import GPUS_PER_NODE_VARIABLE
+from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
+from tritonep.rank_pool import RankFailure, RankPool
 
 FP8 = torch.float8_e4m3fn
 POOL_TIMEOUT_S = 60.0

@@ -17,8 +17,8 @@ import torch
 from collective_inputs import brute_force_combine, random_routing, stand_in_expert
 
 import tritonep as deep_ep
-from tritonep.checks import InputError
-from tritonep.launch import RankPool
+from tritonep.core.checks import InputError
+from tritonep.rank_pool import RankPool
 
 NUM_EXPERTS = 12  # divisible by 2, 3 and 4 ranks
 T = 6

@@ -29,7 +29,7 @@ from torch_defaults import pool_options, torch_defaults
 
 import tritonep as deep_ep
 from tritonep import utils
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
 
 LIBRARY = pathlib.Path(deep_ep.__file__).parent
 FACTORIES = {"tensor", "as_tensor", "asarray", "scalar_tensor", "empty", "empty_strided", "zeros", "ones", "full",

@@ -11,14 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tritonep as deep_ep
-from tritonep.utils import (
-    bench,
-    calc_diff,
-    hash_tensor,
-    inplace_unique,
-    per_token_cast_back,
-    per_token_cast_to_fp8,
-)
+from tritonep.utils import bench, calc_diff, hash_tensor, inplace_unique, per_token_cast_back, per_token_cast_to_fp8
 
 
 def test_exported_like_deep_ep() -> None:

@@ -5,11 +5,11 @@
 
 import torch
 
-from . import utils
-from .buffer import Buffer
-from .checks import InputError
-from .config import Config
-from .event import EventOverlap
+from tritonep import utils
+from tritonep.core.checks import InputError
+from tritonep.core.config import Config
+from tritonep.core.event import EventOverlap
+from tritonep.v1.buffer import Buffer
 
 topk_idx_t = torch.int64
 

@@ -46,7 +46,7 @@ import tritonep
 from tritonep import bench_low_latency, utils
 from tritonep.bench_report import plot, print_table
 from tritonep.bench_timing import back_to_back_host_us, flush_l2, host_head_start, load_deepep, slowest
-from tritonep.launch import RankPool
+from tritonep.rank_pool import RankPool
 
 
 def _call_times_us(group: dist.ProcessGroup, fns: list[Callable[[], object]], iters: int,

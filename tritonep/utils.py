@@ -1,6 +1,6 @@
 """DeepEP's test helpers (``deep_ep.utils``), so that DeepEP-style tests run unchanged.
 
-The FP8 helpers wrap :mod:`tritonep.fp8`, the one place that defines the cast; ``tritonep.fp8``
+The FP8 helpers wrap :mod:`tritonep.core.fp8`, the one place that defines the cast; ``tritonep.core.fp8``
 is imported inside them so that ``import tritonep`` never pays for (or depends on) it.
 """
 
@@ -20,7 +20,7 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (e4m3 [N, H], float32 scales [N, H/128]) with ``x ~= fp8 * scale`` and
         scale = max(amax, 1e-4) / 448, as DeepEP's helper.
     """
-    from .fp8 import cast_to_fp8
+    from tritonep.core.fp8 import cast_to_fp8
 
     return cast_to_fp8(x)
 
@@ -33,7 +33,7 @@ def per_token_cast_back(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> torch.Te
     """
     if x_fp8.numel() == 0:  # nothing to scale; also spares empty receives a shape check
         return x_fp8.to(torch.bfloat16)
-    from .fp8 import cast_back
+    from tritonep.core.fp8 import cast_back
 
     return cast_back(x_fp8, x_scales)
 

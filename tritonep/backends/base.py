@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import Config
-from ..handles import DispatchHandle, LowLatencyHandle
+from tritonep.core.config import Config
+from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 
 
 @dataclass

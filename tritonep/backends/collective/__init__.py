@@ -14,11 +14,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ...checks import require
-from ...config import Config
-from ...handles import DispatchHandle, LowLatencyHandle
-from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
-from . import low_latency, normal
+from tritonep.backends.base import (
+    Backend,
+    DispatchRequest,
+    DispatchResult,
+    LowLatencyDispatchRequest,
+    LowLatencyDispatchResult,
+)
+from tritonep.backends.collective import low_latency, normal
+from tritonep.core.checks import require
+from tritonep.core.config import Config
+from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 
 __all__ = ["CollectiveBackend"]
 

@@ -53,11 +53,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ... import fp8, routing
-from ...checks import InputError
-from ...handles import LowLatencyHandle
-from ..base import LowLatencyDispatchRequest, LowLatencyDispatchResult
-from .packing import all_gather_rows, all_to_all_rows, check_same_on_all_ranks, compact, pack_rows, unpack_rows
+from tritonep.backends.base import LowLatencyDispatchRequest, LowLatencyDispatchResult
+from tritonep.backends.collective.packing import (
+    all_gather_rows,
+    all_to_all_rows,
+    check_same_on_all_ranks,
+    compact,
+    pack_rows,
+    unpack_rows,
+)
+from tritonep.core import fp8, routing
+from tritonep.core.checks import InputError
+from tritonep.core.handles import LowLatencyHandle
 
 _HEADER_NAMES = ["hidden", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale",
                  "use_ue8m0"]

@@ -20,11 +20,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ... import routing
-from ...checks import InputError
-from ...handles import DispatchHandle
-from ..base import DispatchRequest, DispatchResult
-from .packing import all_gather_rows, all_to_all_rows, check_same_on_all_ranks, compact, pack_rows, unpack_rows
+from tritonep.backends.base import DispatchRequest, DispatchResult
+from tritonep.backends.collective.packing import (
+    all_gather_rows,
+    all_to_all_rows,
+    check_same_on_all_ranks,
+    compact,
+    pack_rows,
+    unpack_rows,
+)
+from tritonep.core import routing
+from tritonep.core.checks import InputError
+from tritonep.core.handles import DispatchHandle
 
 _HEADER_NAMES = ["hidden", "top-k", "num_experts", "x dtype (bf16/fp8)", "scales dtype (none/float32/int32)",
                  "number of scale columns"]

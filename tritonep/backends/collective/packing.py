@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ...checks import InputError
+from tritonep.core.checks import InputError
 
 # all_gather_into_tensor is deprecated in newer torch in favour of all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -11,7 +11,7 @@ __all__ = ["NvlinkBackend"]
 
 def __getattr__(name: str):
     if name == "NvlinkBackend":
-        from .backend import NvlinkBackend
+        from tritonep.backends.nvlink.backend import NvlinkBackend
 
         return NvlinkBackend
     raise AttributeError(name)

@@ -20,30 +20,36 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ...checks import InputError
-from ...config import Config
-from ...handles import DispatchHandle, LowLatencyHandle
-from ...routing import count_rows_from_prefix, round_up_counts
-from ..base import Backend, DispatchRequest, DispatchResult, LowLatencyDispatchRequest, LowLatencyDispatchResult
-from .combine_copy_engine import (
+from tritonep.backends.base import (
+    Backend,
+    DispatchRequest,
+    DispatchResult,
+    LowLatencyDispatchRequest,
+    LowLatencyDispatchResult,
+)
+from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
+from tritonep.backends.nvlink.memory import MAX_CHANNELS, SymmetricBuffer, give_back_released
+from tritonep.backends.nvlink.normal.combine_copy_engine import (
     combine_copies,
     combine_copy_jobs,
     driver_memory_operations,
     pieces_per_peer,
     push_combine_weights,
 )
-from .combine_kernel import combine_kernel
-from .dispatch_kernel import dispatch_kernel
-from .dispatch_shape import DispatchShape, SendPlan, dispatch_outputs, guess_rows
-from .launcher import FastLauncher
-from .layout_kernel import dispatch_layout
-from .low_latency import LowLatencyEngine
-from .memory import MAX_CHANNELS, SymmetricBuffer, give_back_released
-from .normal_repeat import CachedDispatchRepeat, CombineRepeat
-from .notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
-from .side_streams import PeerStreams
-from .sync import GPU_KERNELS, INTERPRET, timeout_error
-from .tuning import Tuning, reduce_tokens, split_programs, tile_block, tile_shape
+from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
+from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
+from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout
+from tritonep.backends.nvlink.normal.notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
+from tritonep.backends.nvlink.normal.replay import CachedDispatchRepeat, CombineRepeat
+from tritonep.backends.nvlink.normal.shape import DispatchShape, SendPlan, dispatch_outputs, guess_rows
+from tritonep.backends.nvlink.tuning import Tuning, reduce_tokens, split_programs, tile_block, tile_shape
+from tritonep.core.checks import InputError
+from tritonep.core.config import Config
+from tritonep.core.handles import DispatchHandle, LowLatencyHandle
+from tritonep.core.routing import count_rows_from_prefix, round_up_counts
+from tritonep.device.signals import GPU_KERNELS, INTERPRET, timeout_error
+from tritonep.runtime.launcher import FastLauncher
+from tritonep.runtime.side_streams import PeerStreams
 
 # A launch converts only these arguments per call; the others are fixed by the backend and
 # the call's shape, which the setup key stands for (``DispatchShape``, ``combine``).
@@ -124,7 +130,7 @@ class NvlinkBackend(Backend):
     def memory(self) -> SymmetricBuffer:
         if self._memory is None:
             raise InputError("normal-mode dispatch/combine on the NVLink backend needs num_nvl_bytes > 0 for its "
-                             "receive areas; make the Buffer with num_nvl_bytes=tritonep.buffer.nvl_bytes_for("
+                             "receive areas; make the Buffer with num_nvl_bytes=tritonep.v1.buffer.nvl_bytes_for("
                              "num_tokens, hidden, num_ranks)")
         return self._memory
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ...launch import SHARED_GPUS_VARIABLE
-from ...rank_agreement import on_every_rank
-from ...routing import round_up
+from tritonep.core.rank_agreement import on_every_rank
+from tritonep.core.routing import round_up
+from tritonep.rank_pool import SHARED_GPUS_VARIABLE
 
 MAX_CHANNELS = 160            # sender programs per launch (> SMs of an H100/H200)
 MAX_LOCAL_EXPERTS = 1024

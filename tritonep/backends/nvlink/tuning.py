@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import triton
 
-from .memory import MAX_CHANNELS
+from tritonep.backends.nvlink.memory import MAX_CHANNELS
 
 
 @dataclass(frozen=True)

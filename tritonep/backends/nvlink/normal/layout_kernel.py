@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import FastLauncher
+from tritonep.runtime.launcher import FastLauncher
 
 
 @triton.jit
@@ -52,7 +52,7 @@ _LAYOUT = FastLauncher(dispatch_layout_kernel, changing=(
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int,
                     invalid_ids: torch.Tensor | None = None, block_n: int = 128
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same result as :func:`tritonep.routing.dispatch_layout`, in one kernel.
+    """Same result as :func:`tritonep.core.routing.dispatch_layout`, in one kernel.
 
     ``invalid_ids`` (int32 [1]) is incremented by the number of ids outside [-1, E).
     """

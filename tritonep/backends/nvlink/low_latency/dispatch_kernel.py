@@ -37,10 +37,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import low_latency_layout as layout
-from .fp8_tiles import cast_row, pack_bytes
-from .rows import copy_rows
-from .sync import (
+from tritonep.backends.nvlink.low_latency import regions as layout
+from tritonep.device.fp8_tiles import cast_row, pack_bytes
+from tritonep.device.rows import copy_rows
+from tritonep.device.signals import (
     PHASE_LL_DISPATCH_DATA,
     PHASE_LL_DISPATCH_SLOT,
     begin_low_latency_send,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...streams import current_stream, current_stream_ids, set_stream
+from tritonep.runtime.streams import current_stream, current_stream_ids, set_stream
 
 
 class PeerStreams:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from .checks import InputError
+from tritonep.core.checks import InputError
 
 Result = TypeVar("Result")
 

@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...event import EventOverlap
-from ...handles import LowLatencyHandle
-from .launcher import current_stream
+from tritonep.core.event import EventOverlap
+from tritonep.core.handles import LowLatencyHandle
+from tritonep.runtime.launcher import current_stream
 
 if TYPE_CHECKING:
-    from .low_latency import LowLatencyEngine
+    from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
 
 _BF16, _INT64, _INT32, _FLOAT32 = torch.bfloat16, torch.int64, torch.int32, torch.float32
 _NO_EVENT = EventOverlap(None)   # holds nothing: one object serves every call

@@ -1,6 +1,6 @@
 """FP8 (e4m3) quantisation of a tile of rows, inside a Triton kernel.
 
-The same rules as ``tritonep.fp8.cast_to_fp8`` (the CPU backend's): per row, per 128
+The same rules as ``tritonep.core.fp8.cast_to_fp8`` (the CPU backend's): per row, per 128
 channels, ``scale = max(amax, 1e-4) / 448``, optionally rounded up to a power of two, and
 ``x * ((1 / amax) * 448)`` (or ``x * (1 / scale)`` with rounded scales) rounded to
 nearest-even e4m3. The divisions are IEEE-exact (``div_rn``) and the products IEEE too, so the GPU

@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
-from .event import EventOverlap
+from tritonep.core.event import EventOverlap
 
 
 class StreamScope:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import topology
-from .backends.base import Backend
-from .checks import InputError, require
+from tritonep.backends.base import Backend
+from tritonep.core import topology
+from tritonep.core.checks import InputError, require
 
 if TYPE_CHECKING:
-    from .buffer import Buffer
+    from tritonep.v1.buffer import Buffer
 
 
 def is_int(value: object) -> bool:
@@ -66,8 +66,8 @@ def check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
             raise InputError("allow_nvlink_for_low_latency_mode=False: the collective backend on an NCCL group lets "
                              "NCCL choose its transport, which is NVLink inside a node; leave it True")
     if use_fabric and kind == "nvlink":
-        from .backends.nvlink.memory import fabric_memory_available
-        from .backends.nvlink.sync import INTERPRET
+        from tritonep.backends.nvlink.memory import fabric_memory_available
+        from tritonep.device.signals import INTERPRET
 
         device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
         require(fabric_memory_available(device),
@@ -89,11 +89,11 @@ def check_node_split(kind: str, num_nodes: int, ranks_per_node: int) -> None:
 def make_backend(buffer: Buffer, kind: str) -> Backend:
     """The backend ``backend_kind`` chose, over ``buffer.group``."""
     if kind == "collective":
-        from .backends.collective import CollectiveBackend
+        from tritonep.backends.collective import CollectiveBackend
 
         return CollectiveBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
                                  buffer.low_latency_mode)
-    from .backends.nvlink import NvlinkBackend
+    from tritonep.backends.nvlink import NvlinkBackend
 
     return NvlinkBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
                          buffer.low_latency_mode)

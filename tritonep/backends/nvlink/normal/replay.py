@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .combine_kernel import combine_kernel
-from .dispatch_kernel import dispatch_kernel
-from .launcher import current_stream
+from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
+from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
+from tritonep.runtime.launcher import current_stream
 
 if TYPE_CHECKING:
-    from ...handles import DispatchHandle
-    from .backend import NvlinkBackend
+    from tritonep.backends.nvlink.backend import NvlinkBackend
+    from tritonep.core.handles import DispatchHandle
 
 
 def _positions(kernel: Any, *names: str) -> tuple[int, ...]:

@@ -15,18 +15,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import checks, routing, topology
-from .backend_choice import backend_kind, byte_count, check_backend_options, check_node_split, is_int, make_backend
-from .backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
-from .backends.nvlink.low_latency_layout import LowLatencyRegions
-from .checks import require
-from .config import Config
-from .event import EventOverlap, capture_event
-from .groups import backend_for_comm, check_comm, group_from_comm
-from .handles import DispatchHandle, LowLatencyHandle
-from .rank_agreement import check_same_arguments
-from .routing import round_up
-from .streams import on_comm_stream
+from tritonep.backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
+from tritonep.backends.choice import (
+    backend_kind,
+    byte_count,
+    check_backend_options,
+    check_node_split,
+    is_int,
+    make_backend,
+)
+from tritonep.backends.nvlink.low_latency.regions import LowLatencyRegions
+from tritonep.core import checks, routing, topology
+from tritonep.core.checks import require
+from tritonep.core.config import Config
+from tritonep.core.event import EventOverlap, capture_event
+from tritonep.core.groups import backend_for_comm, check_comm, group_from_comm
+from tritonep.core.handles import DispatchHandle, LowLatencyHandle
+from tritonep.core.rank_agreement import check_same_arguments
+from tritonep.core.routing import round_up
+from tritonep.runtime.streams import on_comm_stream
 
 _buffer_ids = itertools.count(1)
 
@@ -104,7 +111,7 @@ class Buffer:
         group: the process group of the expert-parallel ranks. gloo with CPU tensors selects
             the CPU backend; NCCL with CUDA tensors (all ranks in one node) the NVLink backend.
             May be None when ``comm`` is given. Its ranks split into ``num_nodes`` nodes of
-            ``ranks_per_node`` consecutive ranks (:mod:`tritonep.topology`:
+            ``ranks_per_node`` consecutive ranks (:mod:`tritonep.core.topology`:
             ``TRITONEP_GPUS_PER_NODE``, else nodes of 8 as in DeepEP); only the CPU backend
             takes a group that spans several nodes.
         num_nvl_bytes: bytes of the intranode buffer used by normal-mode dispatch/combine.
@@ -127,7 +134,7 @@ class Buffer:
             ranks (``low_latency_update_mask_buffer``).
         comm: an ``mpi4py`` communicator, used when ``group`` is None: the Buffer then makes a
             torch process group over the same processes in the same rank order
-            (:func:`tritonep.groups.group_from_comm`; needs mpi4py). Ignored when ``group`` is given.
+            (:func:`tritonep.core.groups.group_from_comm`; needs mpi4py). Ignored when ``group`` is given.
     """
 
     num_sms: int = 20

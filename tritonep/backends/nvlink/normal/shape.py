@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import triton
 
-from .memory import MAX_CHANNELS
-from .sync import GPU_KERNELS
-from .tuning import Tuning, split_programs, tile_block, tile_shape
+from tritonep.backends.nvlink.memory import MAX_CHANNELS
+from tritonep.backends.nvlink.tuning import Tuning, split_programs, tile_block, tile_shape
+from tritonep.device.signals import GPU_KERNELS
 
 if TYPE_CHECKING:
-    from .backend import NvlinkBackend
+    from tritonep.backends.nvlink.backend import NvlinkBackend
 
 
 @dataclass

@@ -34,18 +34,18 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ... import fp8
-from ...checks import InputError
-from ...handles import LowLatencyHandle
-from ..base import LowLatencyDispatchRequest, LowLatencyDispatchResult
-from .launcher import FastLauncher, resident_programs
-from .low_latency_clean_kernel import low_latency_clean_kernel
-from .low_latency_combine_kernel import low_latency_combine_kernel
-from .low_latency_dispatch_kernel import low_latency_dispatch_kernel
-from .low_latency_fast import FastCombine, FastDispatch, LowLatencyState, aligned
-from .low_latency_layout import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
-from .memory import SymmetricBuffer
-from .sync import GPU_KERNELS, INTERPRET, MASKED_BIT, masked_after_timeout_message, timeout_error
+from tritonep.backends.base import LowLatencyDispatchRequest, LowLatencyDispatchResult
+from tritonep.backends.nvlink.low_latency.clean_kernel import low_latency_clean_kernel
+from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_combine_kernel
+from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel
+from tritonep.backends.nvlink.low_latency.regions import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
+from tritonep.backends.nvlink.low_latency.replay import FastCombine, FastDispatch, LowLatencyState, aligned
+from tritonep.backends.nvlink.memory import SymmetricBuffer
+from tritonep.core import fp8
+from tritonep.core.checks import InputError
+from tritonep.core.handles import LowLatencyHandle
+from tritonep.device.signals import GPU_KERNELS, INTERPRET, MASKED_BIT, masked_after_timeout_message, timeout_error
+from tritonep.runtime.launcher import FastLauncher, resident_programs
 
 # The kernels' arguments that may change between two calls of one setup. The others are fixed
 # by the engine (its memory, rank, status word) and by the setup key each call passes (shape,

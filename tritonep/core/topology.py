@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .checks import InputError
+from tritonep.core.checks import InputError
 
 GPUS_PER_NODE_VARIABLE = "TRITONEP_GPUS_PER_NODE"
 DEEP_EP_NVLINK_PEERS = 8   # DeepEP's NUM_MAX_NVL_PEERS: ranks that share a node's NVLink domain

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .sync import INTERPRET
+from tritonep.device.signals import INTERPRET
 
 
 def _kinds(raw: list[int]) -> tuple[int, ...]:

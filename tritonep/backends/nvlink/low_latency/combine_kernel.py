@@ -29,9 +29,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import low_latency_layout as layout
-from .rows import copy_rows
-from .sync import (
+from tritonep.backends.nvlink.low_latency import regions as layout
+from tritonep.device.rows import copy_rows
+from tritonep.device.signals import (
     PHASE_LL_COMBINE_DATA,
     PHASE_LL_COMBINE_SLOT,
     begin_low_latency_send,

@@ -44,10 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import FastLauncher, current_stream
-from .memory import MAX_CHANNELS
-from .rows import block_count, block_start
-from .sync import GPU_KERNELS, fence_system, publish
+from tritonep.backends.nvlink.memory import MAX_CHANNELS
+from tritonep.device.rows import block_count, block_start
+from tritonep.device.signals import GPU_KERNELS, fence_system, publish
+from tritonep.runtime.launcher import FastLauncher, current_stream
 
 
 @triton.jit(do_not_specialize=["peer", "tail_index", "value"])

@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .rows import block_count, block_start, channel_range, copy_rows
-from .sync import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT, add_release, publish, wait_at_least
+from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
+from tritonep.device.signals import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT, add_release, publish, wait_at_least
 
 
 @triton.jit

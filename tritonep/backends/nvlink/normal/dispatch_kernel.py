@@ -30,8 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .rows import block_count, block_start, channel_range, copy_rows
-from .sync import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT, add_release, publish, wait_at_least
+from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
+from tritonep.device.signals import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT, add_release, publish, wait_at_least
 
 
 @triton.jit

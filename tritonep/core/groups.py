@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checks import InputError, require
+from tritonep.core.checks import InputError, require
 
 _COMM_METHODS = ("Get_rank", "Get_size", "bcast", "allgather")
 

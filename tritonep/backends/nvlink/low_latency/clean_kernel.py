@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import low_latency_layout as layout
-from .sync import PHASE_LL_CLEAN, barrier_unmasked, load_rank_mask
+from tritonep.backends.nvlink.low_latency import regions as layout
+from tritonep.device.signals import PHASE_LL_CLEAN, barrier_unmasked, load_rank_mask
 
 CLEAN_END = tl.constexpr(layout.CLEAN_END)
 BARRIER = tl.constexpr(layout.BARRIER)

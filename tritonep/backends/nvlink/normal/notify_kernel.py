@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .launcher import FastLauncher, next_power_of_2
-from .memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
-from .sync import GPU_KERNELS, PHASE_NOTIFY, fence_system, publish, store_relaxed, wait_at_least
+from tritonep.backends.nvlink.memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
+from tritonep.device.signals import GPU_KERNELS, PHASE_NOTIFY, fence_system, publish, store_relaxed, wait_at_least
+from tritonep.runtime.launcher import FastLauncher, next_power_of_2
 
 # The host mailbox (int64, pinned): [flag = the exchange's epoch, result words...].
 MAILBOX_HEADER = 1
