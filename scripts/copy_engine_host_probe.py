@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep import nvl_bytes_for
 from tritonep.backends.nvlink.normal.combine_copy_engine import (
     combine_copy_jobs,
     driver_memory_operations,
@@ -36,7 +37,6 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 from tritonep.bench_timing import back_to_back_host_us
 from tritonep.rank_pool import RankPool
 from tritonep.runtime.side_streams import PeerStreams
-from tritonep.v1.buffer import nvl_bytes_for
 
 ROW_BYTES = 7168 * 2      # a bf16 row of hidden 7168
 ROWS_PER_PEER = 1170      # EP8, 4096 tokens x top-8 of 256: about 8172 rows received, 1/8 from each source

@@ -25,11 +25,10 @@ import torch.distributed as dist
 from normal_profile import _profile  # scripts/: the profiler helper of the normal-mode profile
 
 import tritonep
-from tritonep import utils
+from tritonep import nvl_bytes_for, utils
 from tritonep.backends.nvlink.tuning import with_changes
 from tritonep.bench import _call_times_us
 from tritonep.rank_pool import RankPool
-from tritonep.v1.buffer import nvl_bytes_for
 
 
 def _kernel_us(fn) -> float:

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep import nvl_bytes_for
 from tritonep.backends.nvlink import backend as nvlink_backend
 from tritonep.bench_low_latency import _one, _timed_us  # idle GPU at the start event, L2 flushed, slowest rank
 from tritonep.bench_timing import slowest
 from tritonep.rank_pool import RankPool
-from tritonep.v1.buffer import nvl_bytes_for
 
 
 def _stamped(stamps: list, name: str, fn):

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep import nvl_bytes_for
 from tritonep.backends.nvlink import backend as nvlink_backend
 from tritonep.bench_timing import flush_l2, host_head_start
 from tritonep.rank_pool import RankPool
-from tritonep.v1.buffer import nvl_bytes_for
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep import nvl_bytes_for
 from tritonep.bench_low_latency import _timed_us  # idle GPU at the start event, launch included
 from tritonep.bench_timing import back_to_back_host_us as host_us  # rounds of calls, synced between
 from tritonep.rank_pool import RankPool
-from tritonep.v1.buffer import nvl_bytes_for
 
 
 def _graph_us(fn, calls: int = 10, replays: int = 30) -> float:

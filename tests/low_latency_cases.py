@@ -21,6 +21,7 @@ import torch.distributed as dist
 from nvlink_cases import make_buffer
 
 import tritonep as deep_ep
+from tritonep.core import fp8
 
 _state: dict = {}
 
@@ -115,7 +116,7 @@ def expert_outputs(packed, use_fp8: bool, rank: int) -> torch.Tensor:
     if use_fp8:
         data, scales = packed
         if scales.dtype == torch.int32:
-            factors = deep_ep.fp8.unpack_ue8m0(scales)[..., : data.shape[-1] // 128]
+            factors = fp8.unpack_ue8m0(scales)[..., : data.shape[-1] // 128]
         else:
             factors = scales
         rows = data.float().view(*data.shape[:2], -1, 128) * factors.float().unsqueeze(-1)

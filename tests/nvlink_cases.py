@@ -9,10 +9,11 @@ prefix matrix); combine within float32-accumulation rounding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 import tritonep as deep_ep
 from tritonep import utils
+from tritonep.core.replay import Replay, ReplayTable
 
 _state: dict = {}
 
@@ -137,24 +139,39 @@ def _scaled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], factor: float) 
     return x * factor
 
 
-def count_repeats(backend: object) -> dict[str, int]:
-    """Count, on ``backend``, the calls its repeat paths took (until ``uncount_repeats``)."""
-    taken = {"repeat_cached_dispatch": 0, "repeat_combine": 0}
+@contextlib.contextmanager
+def count_replays() -> Iterator[dict[str, int]]:
+    """Count, in this process, the calls that replays served (a replay that returns None sends
+    its call to the general path and is not counted), by the replay key's kind: "cached_dispatch"
+    and "combine" (a handle's table), "low_latency" (a Buffer's)."""
+    taken = {"cached_dispatch": 0, "combine": 0, "low_latency": 0}
+    learn = ReplayTable.learn
 
-    def counted(name: str, method: Callable) -> Callable:
-        def call(*args: object) -> object:
-            result = method(*args)
-            taken[name] += result is not None
+    class Counted:
+        """The replay, counting the calls it serves; its attributes are the replay's (a
+        low-latency replay is completed by later general calls)."""
+
+        def __init__(self, replay: Replay, kind: str) -> None:
+            self.replay, self.kind = replay, kind
+
+        def __call__(self, *args: object) -> object:
+            result = self.replay(*args)
+            taken[self.kind] += result is not None
             return result
-        return call
-    for name in taken:
-        setattr(backend, name, counted(name, getattr(backend, name)))
-    return taken
 
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.replay, name)
 
-def uncount_repeats(backend: object, taken: dict[str, int]) -> None:
-    for name in taken:
-        delattr(backend, name)
+    def counting_learn(table: ReplayTable, key: Hashable, replay: Replay | None) -> None:
+        if replay is not None and not isinstance(replay, Counted):
+            replay = Counted(replay, key[0] if isinstance(key[0], str) else "low_latency")
+        learn(table, key, replay)
+
+    ReplayTable.learn = counting_learn   # type: ignore[method-assign]
+    try:
+        yield taken
+    finally:
+        ReplayTable.learn = learn   # type: ignore[method-assign]
 
 
 def _to_device(value, device: torch.device):
@@ -197,18 +214,18 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
     inputs = make_inputs(case, group.rank(), group.size())
     default = nvlink.backend.tuning
     nvlink.backend.tuning = dataclasses.replace(default, **(tuning or {}))
-    taken = count_repeats(nvlink.backend)
     try:
-        got = _run(nvlink, case, inputs, nvlink.device)
+        with count_replays() as taken:
+            got = _run(nvlink, case, inputs, nvlink.device)
     finally:
         nvlink.backend.tuning = default
-        uncount_repeats(nvlink.backend, taken)
     expected = _run(cpu, case, inputs, torch.device("cpu"))
     problems = [m for key in expected for m in _mismatches(key, got[key], expected[key])]
     # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
-    wanted = {"repeat_cached_dispatch": case.repeats - 1, "repeat_combine": case.repeats - 1 if not case.bias else 0}
+    wanted = {"cached_dispatch": case.repeats - 1, "combine": case.repeats - 1 if not case.bias else 0,
+              "low_latency": 0}
     if nvlink.device.type == "cuda" and taken != wanted:
-        problems.append(f"repeat paths taken {taken}, expected {wanted}")
+        problems.append(f"replays taken {taken}, expected {wanted}")
     return problems
 
 

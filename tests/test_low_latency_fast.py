@@ -222,9 +222,9 @@ def launches_replaced(engine: object, setup: type) -> Iterator[None]:
 def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
     from nvlink_cases import make_buffer
 
-    from tritonep.backends.nvlink.low_latency.replay import FastCombine, FastDispatch
+    from tritonep.backends.nvlink.low_latency.replay import LowLatencyCombineReplay, LowLatencyDispatchReplay
 
-    saved = (FastDispatch.__call__, FastCombine.__call__)
+    saved = (LowLatencyDispatchReplay.__call__, LowLatencyCombineReplay.__call__)
     taken = {"dispatch": 0, "combine": 0}
 
     def counted(kind: str, method: Callable) -> Callable:
@@ -240,14 +240,14 @@ def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
     problems: list[str] = []
     try:
         with launches_replaced(engine, RecordedLaunch):
-            FastDispatch.__call__ = counted("dispatch", FastDispatch.__call__)
-            FastCombine.__call__ = counted("combine", FastCombine.__call__)
+            LowLatencyDispatchReplay.__call__ = counted("dispatch", LowLatencyDispatchReplay.__call__)
+            LowLatencyCombineReplay.__call__ = counted("combine", LowLatencyCombineReplay.__call__)
             generator = torch.Generator().manual_seed(group.rank())
             for dispatch_options, combine_options in SEQUENCES:
                 problems += _sequence(buffer, engine, dispatch_options, combine_options, generator)
             problems += _hooks_keep_inputs(buffer, generator)
     finally:
-        FastDispatch.__call__, FastCombine.__call__ = saved
+        LowLatencyDispatchReplay.__call__, LowLatencyCombineReplay.__call__ = saved
         buffer.destroy()
     # Every compared call takes the fast path.
     expected = (len(TOKENS) - LEARNING_CALLS) * len(SEQUENCES) + 1   # + _hooks_keep_inputs's

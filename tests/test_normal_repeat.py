@@ -47,11 +47,11 @@ def repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
     from nvlink_cases import count_repeats, make_buffer, uncount_repeats
     from test_low_latency_fast import NoKernel, RecordedLaunch
 
+    from tritonep import nvl_bytes_for
     from tritonep.backends.nvlink import backend as nvlink_backend
     from tritonep.backends.nvlink.normal import combine_copy_engine
     from tritonep.backends.nvlink.normal import replay as normal_repeat
     from tritonep.runtime import launcher
-    from tritonep.v1.buffer import nvl_bytes_for
 
     R = group.size()
     generator = torch.Generator().manual_seed(group.rank())

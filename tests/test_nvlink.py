@@ -26,8 +26,8 @@ from nvlink_cases import (
     staging_overflow_error,
 )
 
+from tritonep import nvl_bytes_for
 from tritonep.rank_pool import RankPool
-from tritonep.v1.buffer import nvl_bytes_for
 
 
 def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22, tuning: dict | None = None) -> None:

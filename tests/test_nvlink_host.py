@@ -4,6 +4,8 @@ back by a fresh dispatch, and the side streams' CPU fallback."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_range, pieces_per_peer
-from tritonep.backends.nvlink.tuning import Tuning, reduce_tokens, tile_block, tile_rows, with_changes  # noqa: E402
+from tritonep.backends.nvlink.tuning import Tuning, combine_tile_tokens, tile_block, tile_rows, with_changes  # noqa: E402
 from tritonep.core import routing  # noqa: E402
 from tritonep.runtime.side_streams import PeerStreams  # noqa: E402
 
@@ -66,11 +68,11 @@ def test_pieces_per_peer_keep_the_host_issue_bounded() -> None:
     assert pieces_per_peer(8, 3) == 3 and pieces_per_peer(2, 1) == 1
 
 
-def test_reduce_tokens_by_rank_count() -> None:
+def test_combine_tile_tokens_by_rank_count() -> None:
     """The combine's reduction tile: 8 tokens at one rank (one copy per token to load), 4 at
     every other rank count until measured there; a set value is kept."""
-    assert [reduce_tokens(0, r) for r in (1, 2, 3, 4, 8)] == [8, 4, 4, 4, 4]
-    assert reduce_tokens(2, 1) == 2 and reduce_tokens(1, 8) == 1
+    assert [combine_tile_tokens(0, r) for r in (1, 2, 3, 4, 8)] == [8, 4, 4, 4, 4]
+    assert combine_tile_tokens(2, 1) == 2 and combine_tile_tokens(1, 8) == 1
 
 
 def test_tile_rows_keep_about_128_kb_per_tile() -> None:
@@ -106,3 +108,15 @@ def test_tuning_variants_parse_as_the_fields_types() -> None:
     changed = with_changes(default, "combine_pieces=3,send_before_sync=0,sender_fraction=0.75")
     assert (changed.combine_pieces, changed.send_before_sync, changed.sender_fraction) == (3, False, 0.75)
     assert with_changes(default, "copy_engine_combine=true").copy_engine_combine is True
+
+
+def test_tuning_reads_every_field_from_its_variable(monkeypatch) -> None:
+    """Every field has a variable, and the backend reads none elsewhere."""
+    from tritonep.backends.nvlink.tuning import ENVIRONMENT
+
+    assert set(ENVIRONMENT) == {field.name for field in dataclasses.fields(Tuning)}
+    monkeypatch.setenv("TRITONEP_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("TRITONEP_COMBINE_COPY_ENGINE", "0")
+    monkeypatch.setenv("TRITONEP_LL_ROWS", "2")
+    tuning = Tuning.from_environment()
+    assert (tuning.timeout_ns, tuning.copy_engine_combine, tuning.low_latency_rows) == (2_500_000_000, False, 2)

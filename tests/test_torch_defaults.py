@@ -29,6 +29,7 @@ from torch_defaults import pool_options, torch_defaults
 
 import tritonep as deep_ep
 from tritonep import utils
+from tritonep.core import fp8
 from tritonep.rank_pool import RankPool
 
 LIBRARY = pathlib.Path(deep_ep.__file__).parent
@@ -209,7 +210,7 @@ def _utils_results() -> dict:
     ids = torch.tensor([[3, 1, 3, -1], [0, 0, 2, 3]], dtype=torch.int64, device="cpu")
     utils.inplace_unique(ids, 4)
     return {"fp8": fp8_x, "scales": scales, "back": utils.per_token_cast_back(fp8_x, scales),
-            "back_ue8m0": utils.per_token_cast_back(*deep_ep.fp8.cast_to_fp8(x, round_scale=True, use_ue8m0=True)),
+            "back_ue8m0": utils.per_token_cast_back(*fp8.cast_to_fp8(x, round_scale=True, use_ue8m0=True)),
             "empty_back": utils.per_token_cast_back(fp8_x[:0], scales[:0]),
             "diff": utils.calc_diff(x, utils.per_token_cast_back(fp8_x, scales)),
             "unique": ids, "hash": utils.hash_tensor(x)}

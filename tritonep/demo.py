@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep import nvl_bytes_for
 from tritonep.rank_pool import RankPool
 from tritonep.utils import calc_diff
-from tritonep.v1.buffer import nvl_bytes_for
 
 PHASES = ("layout", "dispatch", "expert MLP", "combine")
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tritonep.core.config import Config
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
+from tritonep.core.replay import Replay
 
 
 @dataclass
@@ -42,6 +43,27 @@ class DispatchResult:
     recv_topk_weights: torch.Tensor | None
     num_recv_tokens_per_expert_list: list[int] | None
     handle: DispatchHandle
+    # A cached dispatch's replay: called as replay(x, x_scales), it returns recv_x (or
+    # (recv_x, recv_x_scales)) or None. None: this call cannot be replayed.
+    replay: Replay | None = None
+
+
+@dataclass
+class CombineRequest:
+    x: torch.Tensor                       # [M, H] bf16, M = handle.num_recv_rows
+    handle: DispatchHandle
+    topk_weights: torch.Tensor | None     # [M, K] float32
+    bias: tuple[torch.Tensor | None, torch.Tensor | None]   # each [N, H] bf16 or None
+    config: Config
+
+
+@dataclass
+class CombineResult:
+    combined_x: torch.Tensor              # [N, H] bf16
+    combined_topk_weights: torch.Tensor | None   # [N, K] float32
+    # Called as replay(x, topk_weights) for a combine of the same handle without bias: returns
+    # (combined_x, combined_topk_weights) or None. None: this call cannot be replayed.
+    replay: Replay | None = None
 
 
 @dataclass
@@ -56,8 +78,6 @@ class LowLatencyDispatchRequest:
     cumulative_local_expert_recv_stats: torch.Tensor | None
     dispatch_wait_recv_cost_stats: torch.Tensor | None
     return_recv_hook: bool
-    # The Buffer's key for this call shape in low_latency_fast_paths()[0] (None: not repeatable).
-    fast_key: tuple | None = None
 
 
 @dataclass
@@ -67,10 +87,39 @@ class LowLatencyDispatchResult:
     handle: LowLatencyHandle
     # With return_recv_hook the receive is finished by calling this; otherwise None.
     hook: Callable[[], None] | None
+    # Called as replay(x, topk_idx, recv_stats, wait_stats) for a call of the same shape and
+    # options on the caller's stream: returns low_latency_dispatch's 5-tuple or None.
+    replay: Replay | None = None
+
+
+@dataclass
+class LowLatencyCombineRequest:
+    x: torch.Tensor                       # [E/R, R*T, H] bf16
+    topk_idx: torch.Tensor                # [N, K] int64
+    topk_weights: torch.Tensor            # [N, K] float32
+    handle: LowLatencyHandle
+    zero_copy: bool
+    return_recv_hook: bool
+    out: torch.Tensor | None              # [N, H] bf16
+    wait_stats: torch.Tensor | None       # int64 [R], combine_wait_recv_cost_stats
+
+
+@dataclass
+class LowLatencyCombineResult:
+    combined_x: torch.Tensor
+    hook: Callable[[], None] | None
+    # Called as replay(x, topk_idx, topk_weights, handle, out, wait_stats) for a call of the
+    # same shape and options on the caller's stream: returns low_latency_combine's 3-tuple or None.
+    replay: Replay | None = None
 
 
 class Backend(abc.ABC):
-    """A transport for one process group. Created collectively by ``Buffer.__init__``."""
+    """A transport for one process group. Created collectively by ``Buffer.__init__``.
+
+    Calls that may repeat hand back a replay with their result (``core/replay.py``); the
+    low-latency calls are also given the replay the front end holds for their shape, which they
+    may complete and hand back.
+    """
 
     def __init__(self, group: dist.ProcessGroup, buffer_id: int) -> None:
         self.group = group
@@ -109,59 +158,20 @@ class Backend(abc.ABC):
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         ...
 
-    def repeat_cached_dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle,
-                               num_sms: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        """A cached dispatch (``handle``, default options) that repeats one the backend learnt:
-        its recv_x (or (recv_x, recv_scales)), launched; or None, and the caller takes the
-        general path. ``x``/``scales`` are tensors, nothing else is checked yet. Default: never."""
-        return None
-
-    def repeat_combine(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
-                       num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A combine (no bias, default stream options) that repeats one the backend learnt:
-        (combined_x, combined_topk_weights), launched; or None, and the caller takes the general
-        path. ``x``/``topk_weights`` are tensors (or None), nothing else is checked yet.
-        Default: never."""
-        return None
-
     @abc.abstractmethod
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: torch.Tensor | None,
-        bias: tuple[torch.Tensor | None, torch.Tensor | None],
-        config: Config,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (combined_x [N, H] bf16, combined_topk_weights [N, K] float32 or None)."""
+    def combine(self, request: CombineRequest) -> CombineResult:
+        ...
 
     # ---- low-latency mode ----------------------------------------------------------------
     @abc.abstractmethod
-    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest,
+                             replay: Replay | None = None) -> LowLatencyDispatchResult:
         ...
 
     @abc.abstractmethod
-    def low_latency_combine(
-        self,
-        x: torch.Tensor,
-        topk_idx: torch.Tensor,
-        topk_weights: torch.Tensor,
-        handle: LowLatencyHandle,
-        zero_copy: bool,
-        return_recv_hook: bool,
-        out: torch.Tensor | None,
-        wait_stats: torch.Tensor | None,
-        fast_key: tuple | None = None,
-    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """``wait_stats``: optional int64 [R], ``combine_wait_recv_cost_stats``; ``fast_key``: the
-        Buffer's key for this call shape in low_latency_fast_paths()[1]."""
-
-    def low_latency_fast_paths(self) -> tuple[dict, dict]:
-        """(dispatch, combine): call shapes this backend repeats with little host work, by the
-        Buffer's keys; each value takes a call's tensors and returns the call's result, or None
-        (then the Buffer takes the general path). Filled by the backend as calls run; the Buffer
-        reads them, never writes. Empty dicts: every call takes the general path."""
-        return {}, {}
+    def low_latency_combine(self, request: LowLatencyCombineRequest,
+                            replay: Replay | None = None) -> LowLatencyCombineResult:
+        ...
 
     @abc.abstractmethod
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Which backend a Buffer gets, and what DeepEP V1's constructor options mean to it.
+"""Which backend a front end gets, and what DeepEP's constructor options mean to it.
 
 ``Buffer.__init__`` calls these before any communication: a group of the gloo backend gets the
 collective (CPU) backend, an NCCL group the NVLink backend (``TRITONEP_BACKEND`` overrides);
@@ -8,36 +8,14 @@ mean nothing to it are accepted.
 
 from __future__ import annotations
 
-import operator
 import os
-from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from tritonep.backends.base import Backend
 from tritonep.core import topology
 from tritonep.core.checks import InputError, require
-
-if TYPE_CHECKING:
-    from tritonep.v1.buffer import Buffer
-
-
-def is_int(value: object) -> bool:
-    """Python and numpy integers (anything ``operator.index`` takes), not bools."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
-
-
-def byte_count(name: str, value: object) -> int:
-    require(is_int(value), f"{name} must be an int, got {value!r}")
-    count = operator.index(value)  # type: ignore[arg-type]
-    require(count >= 0, f"buffer sizes must be >= 0, got {name}={count}")
-    return count
 
 
 def backend_kind(group_backend: str) -> str:
@@ -67,7 +45,7 @@ def check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
                              "NCCL choose its transport, which is NVLink inside a node; leave it True")
     if use_fabric and kind == "nvlink":
         from tritonep.backends.nvlink.memory import fabric_memory_available
-        from tritonep.device.signals import INTERPRET
+        from tritonep.runtime.platform import INTERPRET
 
         device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
         require(fabric_memory_available(device),
@@ -86,14 +64,13 @@ def check_node_split(kind: str, num_nodes: int, ranks_per_node: int) -> None:
                          f"backend (gloo groups, or TRITONEP_BACKEND=collective) models node splits")
 
 
-def make_backend(buffer: Buffer, kind: str) -> Backend:
-    """The backend ``backend_kind`` chose, over ``buffer.group``."""
+def make_backend(kind: str, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
+                 low_latency_mode: bool) -> Backend:
+    """The backend ``backend_kind`` chose, over ``group``. Collective: every rank calls it."""
     if kind == "collective":
         from tritonep.backends.collective import CollectiveBackend
 
-        return CollectiveBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
-                                 buffer.low_latency_mode)
+        return CollectiveBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
     from tritonep.backends.nvlink import NvlinkBackend
 
-    return NvlinkBackend(buffer.group, buffer.buffer_id, buffer.num_nvl_bytes, buffer.num_rdma_bytes,
-                         buffer.low_latency_mode)
+    return NvlinkBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)

@@ -1,4 +1,4 @@
-"""Input validation for ``Buffer``: every message says what was expected and what was given.
+"""Input validation shared by the front ends: every message says what was expected and what was given.
 
 All checks run before any communication starts, so a bad call raises on the rank that made
 it instead of leaving its peers waiting. Checks that need values (expert ids in range) cost
@@ -6,6 +6,8 @@ one reduction on the device; they are skipped nowhere, because silent corruption
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -19,6 +21,31 @@ class InputError(ValueError):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise InputError(message)
+
+
+def is_int(value: object) -> bool:
+    """Python and numpy integers (anything ``operator.index`` takes), not bools."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def byte_count(name: str, value: object) -> int:
+    require(is_int(value), f"{name} must be an int, got {value!r}")
+    count = operator.index(value)  # type: ignore[arg-type]
+    require(count >= 0, f"buffer sizes must be >= 0, got {name}={count}")
+    return count
+
+
+def fits(tensor: object, dtype: torch.dtype, shape: tuple[int, ...], on_gpu: bool) -> bool:
+    """A contiguous tensor of this dtype and exact shape on the Buffer's kind of device: the
+    per-call fast path of the checks (a miss runs the full checks, which say why)."""
+    return (isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.shape == shape
+            and tensor.is_cuda == on_gpu and tensor.is_contiguous())
 
 
 def describe(tensor: object) -> str:

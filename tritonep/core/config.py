@@ -32,7 +32,7 @@ class Config:
         rows, combine rows), so the hint covers ``num_max_nvl_chunked_recv_tokens`` rows from
         each rank in each half, plus per-row metadata (scales, top-k, source index). Callers
         with more tokens per call should size ``num_nvl_bytes`` with
-        :func:`tritonep.v1.buffer.nvl_bytes_for`; a call that does not fit raises and says so.
+        :func:`tritonep.nvl_bytes_for`; a call that does not fit raises and says so.
         """
         rows = self.num_max_nvl_chunked_recv_tokens * num_ranks
         return round_up(2 * rows * (hidden_bytes + 512) + (1 << 20), 128)

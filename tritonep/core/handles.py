@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tritonep.core.replay import ReplayTable
+
 
 class DispatchHandle(tuple):
     """A 6-tuple placed like DeepEP's intranode handle, ``(rank_prefix_matrix,
@@ -26,12 +28,14 @@ class DispatchHandle(tuple):
         hidden: the hidden size of the dispatch.
         buffer_id: the Buffer that made it.
         backend_state: whatever the transport cached for the cached dispatch and the combine.
+        replays: the calls made with this handle that repeat cheaply (``core/replay.py``).
     """
 
     num_recv_rows: int
     hidden: int
     buffer_id: int
     backend_state: Any
+    replays: ReplayTable
 
     def __new__(
         cls,
@@ -48,6 +52,7 @@ class DispatchHandle(tuple):
         handle.hidden = hidden
         handle.buffer_id = buffer_id
         handle.backend_state = backend_state
+        handle.replays = ReplayTable()
         return handle
 
     @property
@@ -88,3 +93,23 @@ class LowLatencyHandle(tuple):
         handle.buffer_id = buffer_id
         handle.backend_state = backend_state
         return handle
+
+    @property
+    def src_info(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def layout_range(self) -> torch.Tensor:
+        return self[1]
+
+    @property
+    def num_max_dispatch_tokens_per_rank(self) -> int:
+        return self[2]
+
+    @property
+    def hidden(self) -> int:
+        return self[3]
+
+    @property
+    def num_experts(self) -> int:
+        return self[4]

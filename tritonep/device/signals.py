@@ -21,65 +21,14 @@ interpreter's atomics and the timeout counts spins instead of nanoseconds.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-GPU_KERNELS = not INTERPRET
-
-# Phases reported in the status word when a wait times out.
-# (constexpr so kernels may read them as globals)
-PHASE_NOTIFY = tl.constexpr(1)
-PHASE_DISPATCH_SLOT = tl.constexpr(2)     # sender waiting for the receiver to free its staging rows
-PHASE_DISPATCH_DATA = tl.constexpr(3)     # receiver waiting for rows from a sender
-PHASE_COMBINE_SLOT = tl.constexpr(4)
-PHASE_COMBINE_DATA = tl.constexpr(5)
-PHASE_LL_DISPATCH_SLOT = tl.constexpr(6)  # low-latency sender waiting for the peer to finish call m-2
-PHASE_LL_DISPATCH_DATA = tl.constexpr(7)
-PHASE_LL_COMBINE_SLOT = tl.constexpr(8)
-PHASE_LL_COMBINE_DATA = tl.constexpr(9)
-PHASE_LL_CLEAN = tl.constexpr(10)
-PHASE_NAMES = {
-    1: "count exchange (notify)",
-    2: "dispatch: waiting for the peer to release its receive area",
-    3: "dispatch: waiting for rows from the peer",
-    4: "combine: waiting for the peer to release its receive area",
-    5: "combine: waiting for rows from the peer",
-    6: "low_latency_dispatch: waiting for the peer to finish receiving the call before last",
-    7: "low_latency_dispatch: waiting for rows from the peer",
-    8: "low_latency_combine: waiting for the peer to finish receiving the call before last",
-    9: "low_latency_combine: waiting for rows from the peer",
-    10: "clean_low_latency_buffer: waiting for the peer at the barrier",
-}
-
-
-def masked_after_timeout_message(code: int, rank: int, timeout_ns: int) -> str:
-    """The warning for a status word with ``MASKED_BIT`` (shrink mode)."""
-    phase, peer = divmod((code & ~MASKED_BIT.value) - 1, 65536)
-    return (f"tritonep: rank {rank} timed out after {timeout_ns / 1e9:.0f} s in phase "
-            f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}, and masked it (enable_shrink=True): "
-            f"calls go on without that rank until low_latency_update_mask_buffer unmasks it")
-
-
-def timeout_error(code: int, rank: int, timeout_ns: int, calls: str) -> RuntimeError:
-    """The error for a status word a timed-out wait wrote (``phase * 65536 + peer + 1``)."""
-    phase, peer = divmod(code - 1, 65536)
-    return RuntimeError(
-        f"tritonep: rank {rank} timed out after {timeout_ns / 1e9:.0f} s in phase "
-        f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or made a "
-        f"different sequence of {calls}. This Buffer cannot be used any more.")
-
+from tritonep.device.status_codes import MASKED_BIT
 
 # The interpreter has no clock: a wait gives up after timeout_ns / this many spins (each spin
 # is a Python call; 2 million spins for the default 60 s).
 NS_PER_INTERPRETER_SPIN = tl.constexpr(30_000)
-
-# Shrink mode: a status word with this bit set reports a peer that was masked after a time-out
-# (the call went on without it), not a failure.
-MASKED_BIT = tl.constexpr(1 << 40)
-
 
 @triton.jit
 def load_acquire(pointer, GPU: tl.constexpr):

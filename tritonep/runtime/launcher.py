@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tritonep.device.signals import INTERPRET
+from tritonep.runtime.platform import INTERPRET
 
 
 def _kinds(raw: list[int]) -> tuple[int, ...]:

@@ -1,13 +1,13 @@
-"""``Buffer``: the DeepEP-compatible front end.
+"""``Buffer``: DeepEP V1's front end.
 
-It validates every call once, picks the streams, and hands well-formed tensors to one backend
-(``backends/collective`` for gloo groups and CPU tensors, ``backends/nvlink`` for NCCL groups
-inside one node). The methods, arguments and return values follow ``deep_ep.Buffer``.
+It checks every call once (``v1/checks.py``), picks the streams, hands well-formed requests to
+one backend (``backends/``: collective for gloo groups and CPU tensors, NVLink for NCCL groups
+inside one node) and replays calls that repeat (``core/replay.py``). The methods, arguments and
+return values follow ``deep_ep.Buffer``.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -15,86 +15,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tritonep.backends.base import Backend, DispatchRequest, LowLatencyDispatchRequest
-from tritonep.backends.choice import (
-    backend_kind,
-    byte_count,
-    check_backend_options,
-    check_node_split,
-    is_int,
-    make_backend,
-)
-from tritonep.backends.nvlink.low_latency.regions import LowLatencyRegions
+from tritonep.backends.base import Backend, LowLatencyCombineRequest, LowLatencyDispatchRequest
+from tritonep.backends.choice import backend_kind, check_backend_options, check_node_split, make_backend
 from tritonep.core import checks, routing, topology
-from tritonep.core.checks import require
+from tritonep.core.checks import byte_count, is_int, require
 from tritonep.core.config import Config
 from tritonep.core.event import EventOverlap, capture_event
 from tritonep.core.groups import backend_for_comm, check_comm, group_from_comm
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 from tritonep.core.rank_agreement import check_same_arguments
-from tritonep.core.routing import round_up
+from tritonep.core.replay import ReplayTable
+from tritonep.core.torch_modes import plain_hook, torch_functions_off, without_torch_function
 from tritonep.runtime.streams import on_comm_stream
+from tritonep.v1 import checks as v1_checks
+from tritonep.v1.sizes import low_latency_buffer_bytes
 
 _buffer_ids = itertools.count(1)
 
-
 _NO_EVENT = EventOverlap(None)   # holds nothing: one object serves every call that returns no event
 
-
-def _without_torch_function(call: Callable) -> Callable:
-    """Run ``call`` with torch-function handling off.
-
-    ``torch.set_default_device('cuda')``, which DeepEP's users run, installs a torch-function
-    mode that intercepts every torch call made from Python, a few microseconds each: it tripled
-    the host time of a low-latency call (measured on an H200). Every tensor tritonep makes names
-    its device and dtype (a test scans for it), so such modes have nothing to do inside a call.
-    """
-    @functools.wraps(call)
-    def plain(*args: Any, **kwargs: Any) -> Any:
-        with torch._C.DisableTorchFunction():
-            return call(*args, **kwargs)
-    return plain
-
-
-def _hook(receive: Callable[[], None] | None) -> Callable[[], None] | None:
-    """A receive hook, run like the call that made it (see _without_torch_function). A plain
-    closure: functools.wraps would cost a decode-time call more than the rest of the hook."""
-    if receive is None:
-        return None
-
-    def hook() -> None:
-        with torch._C.DisableTorchFunction():
-            receive()
-    return hook
-
-
-def _fits(tensor: object, dtype: torch.dtype, shape: tuple[int, ...], on_gpu: bool) -> bool:
-    """A contiguous tensor of this dtype and exact shape on the Buffer's kind of device: the
-    per-call fast path of the low-latency checks (a miss runs the full checks, which say why)."""
-    return (isinstance(tensor, torch.Tensor) and tensor.dtype == dtype and tensor.shape == shape
-            and tensor.is_cuda == on_gpu and tensor.is_contiguous())
-
-
-def low_latency_buffer_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                             num_experts: int) -> int:
-    """Bytes of the low-latency area (``num_rdma_bytes``): control words plus two (double-buffered)
-    sets of a dispatch receive area for [E, T] fp8-or-bf16 messages, a combine receive area for
-    [T, 11] bf16 rows and a zero-copy combine buffer of [E, T] bf16 rows."""
-    regions = LowLatencyRegions(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-    return round_up(regions.total_bytes, 1 << 20)
-
-
-def nvl_bytes_for(num_tokens: int, hidden: int, num_ranks: int, num_topk: int = 8) -> int:
-    """``num_nvl_bytes`` that lets every rank receive ``num_tokens`` rows from every rank.
-
-    The NVLink backend stages each received row at its final index (no ring buffer), in two
-    halves: dispatch rows (bf16 or fp8 with scales, top-k ids and weights, source index) and
-    combine rows (bf16 with top-k weights).
-    """
-    rows = num_tokens * num_ranks
-    dispatch_row = hidden * 2 + (hidden // 128) * 4 + 12 * num_topk + 4
-    combine_row = hidden * 2 + 4 * num_topk
-    return round_up(2 * rows * max(dispatch_row, combine_row) + (1 << 20), 1 << 20)
+# Replay keys of the calls made with a handle (the handle's table; see Buffer._plain_num_sms).
+_CACHED_DISPATCH, _COMBINE = "cached_dispatch", "combine"
 
 
 class Buffer:
@@ -199,12 +140,12 @@ class Buffer:
                                          low_latency_mode=low_latency_mode, enable_shrink=enable_shrink,
                                          explicitly_destroy=explicitly_destroy, backend=kind))
         self.buffer_id = next(_buffer_ids)
-        self.backend: Backend = make_backend(self, kind)
+        self.backend: Backend = make_backend(kind, group, self.buffer_id, num_nvl_bytes, num_rdma_bytes,
+                                             low_latency_mode)
         self.device = self.backend.device
         self._on_gpu = self.device.type == "cuda"
-        # Low-latency call shapes the backend repeats with little host work, by the keys made
-        # in low_latency_dispatch/combine (empty where a backend has no such path).
-        self._fast_dispatch, self._fast_combine = self.backend.low_latency_fast_paths()
+        # Low-latency calls that repeat, by their options and shapes (see low_latency_dispatch).
+        self._low_latency_replays = ReplayTable()
         if enable_shrink:
             self.backend.rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._destroyed = False
@@ -247,6 +188,7 @@ class Buffer:
         """Release the buffers (collective). Only allowed with ``explicitly_destroy=True``."""
         require(self.explicitly_destroy, "destroy() is only for buffers made with explicitly_destroy=True")
         self._check_alive()
+        self._low_latency_replays.clear()
         self.backend.destroy()
         self._destroyed = True
 
@@ -254,7 +196,7 @@ class Buffer:
         """The stream communication kernels run on (None on the CPU backend)."""
         return self.backend.comm_stream()
 
-    @_without_torch_function
+    @without_torch_function
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
         """A view of this rank's communication memory.
@@ -280,7 +222,7 @@ class Buffer:
         return self.backend.get_local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
 
     # ------------------------------------------------------------------ normal mode
-    @_without_torch_function
+    @without_torch_function
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
@@ -316,7 +258,7 @@ class Buffer:
             scope.keep(per_rank, per_expert, in_rank, per_node)
         return per_rank, per_node, per_expert, in_rank, scope.event
 
-    @_without_torch_function
+    @without_torch_function
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -365,83 +307,41 @@ class Buffer:
             rows of larger tensors (the previous call's M plus about 6%, allocated before the
             counts were known; ``TRITONEP_RECEIVE_BEFORE_SYNC=0`` allocates exactly M rows).
         """
-        # A cached dispatch repeated as before (every layer's backward in training): the backend
+        # A cached dispatch repeated as before (every layer's backward in training): its replay
         # checks x against the call it learnt and launches, or returns None and the general path
-        # below checks everything (backends/nvlink/normal_repeat.py).
-        num_sms = self._repeat_num_sms(handle, config, previous_event, async_finish, allocate_on_comm_stream)
+        # below checks everything.
+        num_sms = self._plain_num_sms(handle, config, previous_event, async_finish, allocate_on_comm_stream)
         if (num_sms and num_tokens_per_rank is None and num_tokens_per_rdma_rank is None and is_token_in_rank is None
                 and num_tokens_per_expert is None and topk_idx is None and topk_weights is None
                 and type(num_worst_tokens) is int and not num_worst_tokens and type(expert_alignment) is int
                 and expert_alignment >= 1):
             data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
             if type(data) is torch.Tensor and (scales is None or type(scales) is torch.Tensor):
-                recv_x = self.backend.repeat_cached_dispatch(data, scales, handle, num_sms)
+                replay = handle.replays.get((_CACHED_DISPATCH, num_sms, scales is None))
+                recv_x = replay(data, scales) if replay is not None else None
                 if recv_x is not None:
                     return recv_x, None, None, None, None, _NO_EVENT
         self._check_alive()
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = config or self.get_dispatch_config(self.group_size)
-        data, scales = checks.split_x(x, self.device)
-        num_tokens, hidden = data.shape
-        require(isinstance(num_worst_tokens, int) and num_worst_tokens >= 0,
-                f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
-        require(isinstance(expert_alignment, int) and expert_alignment >= 1,
-                f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-        self._check_tokens_per_node(num_tokens_per_rdma_rank, cached=handle is not None)
-        if handle is not None:
-            self._check_handle(handle)
-            require(topk_idx is None and topk_weights is None and num_tokens_per_rank is None
-                    and is_token_in_rank is None and num_tokens_per_expert is None,
-                    "cached dispatch (handle given) takes no layout, topk_idx or topk_weights")
-            require(num_tokens == handle.is_token_in_rank.shape[0],
-                    f"cached dispatch: x has {num_tokens} tokens but the handle was made for "
-                    f"{handle.is_token_in_rank.shape[0]}")
-            request = DispatchRequest(
-                x=data, x_scales=scales, topk_idx=None, topk_weights=None,
-                is_token_in_rank=handle.is_token_in_rank,
-                num_tokens_per_rank=None,
-                num_tokens_per_expert=None, num_experts=0, expert_alignment=expert_alignment,
-                num_worst_tokens=num_worst_tokens, cached_handle=handle, config=config)
-        else:
-            require(num_tokens_per_rank is not None and is_token_in_rank is not None,
-                    "dispatch without a handle needs num_tokens_per_rank and is_token_in_rank "
-                    "(from get_dispatch_layout)")
-            require(num_tokens_per_expert is not None, "dispatch without a handle needs num_tokens_per_expert")
-            R = self.group_size
-            checks.check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,),
-                                device=self.device)
-            checks.check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, R),
-                                device=self.device)
-            checks.check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32,
-                                shape=(None,), device=self.device)
-            num_experts = num_tokens_per_expert.shape[0]
-            checks.check_num_experts(num_experts, R)
-            if topk_idx is not None:
-                checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None),
-                                    device=self.device)
-                checks.check_expert_ids("topk_idx", topk_idx, num_experts)
-                require(topk_weights is not None, "topk_idx was given without topk_weights")
-                checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32,
-                                    shape=tuple(topk_idx.shape), device=self.device)
-            else:
-                require(topk_weights is None, "topk_weights was given without topk_idx")
-            request = DispatchRequest(
-                x=data, x_scales=scales, topk_idx=topk_idx, topk_weights=topk_weights,
-                is_token_in_rank=is_token_in_rank, num_tokens_per_rank=num_tokens_per_rank,
-                num_tokens_per_expert=num_tokens_per_expert, num_experts=num_experts,
-                expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, cached_handle=None,
-                config=config)
-        inputs = (data, scales, topk_idx, topk_weights, is_token_in_rank)
+        v1_checks.check_tokens_per_node(num_tokens_per_rdma_rank, handle is not None, self.group_size, self.num_nodes,
+                                        self.ranks_per_node, self.device)
+        request = v1_checks.dispatch_request(x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                                             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+                                             self.group_size, self.buffer_id, self.device)
+        scales = request.x_scales
+        inputs = (request.x, scales, topk_idx, topk_weights, request.is_token_in_rank)
         with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, inputs) as scope:
             result = self.backend.dispatch(request)
             scope.keep(result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
         recv_x = result.recv_x if scales is None else (result.recv_x, result.recv_x_scales)
         if handle is not None:
+            handle.replays.learn((_CACHED_DISPATCH, config.num_sms, scales is None), result.replay)
             return recv_x, None, None, None, None, scope.event
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights,
                 result.num_recv_tokens_per_expert_list, result.handle, scope.event)
 
-    @_without_torch_function
+    @without_torch_function
     def combine(
         self,
         x: torch.Tensor,
@@ -468,34 +368,25 @@ class Buffer:
             combined_topk_weights: [N, K] float32 or None.
             event: the event to wait on when ``async_finish``.
         """
-        # A combine repeated as before (every layer, every step): as in dispatch's repeat path.
-        num_sms = self._repeat_num_sms(handle, config, previous_event, async_finish, allocate_on_comm_stream)
+        # A combine repeated as before (every layer, every step): as in dispatch.
+        num_sms = self._plain_num_sms(handle, config, previous_event, async_finish, allocate_on_comm_stream)
         if (num_sms and type(x) is torch.Tensor and (topk_weights is None or type(topk_weights) is torch.Tensor)
                 and bias is None):
-            combined = self.backend.repeat_combine(x, topk_weights, handle, num_sms)
+            replay = handle.replays.get((_COMBINE, num_sms, topk_weights is None))
+            combined = replay(x, topk_weights) if replay is not None else None
             if combined is not None:
                 return combined[0], combined[1], _NO_EVENT
         self._check_alive()
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = config or self.get_combine_config(self.group_size)
-        self._check_handle(handle)
-        rows = handle.num_recv_rows
-        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(rows, None), device=self.device)
-        if topk_weights is not None:
-            checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(rows, None),
-                                device=self.device)
-        num_tokens = handle.is_token_in_rank.shape[0]
-        biases = bias if isinstance(bias, tuple) else (bias, None)
-        require(len(biases) == 2, f"bias must be a tensor or a 2-tuple, got {len(biases)} elements")
-        for index, item in enumerate(biases):
-            if item is not None:
-                checks.check_tensor(f"bias[{index}]", item, dtype=torch.bfloat16, shape=(num_tokens, x.shape[1]),
-                                    device=self.device)
-        inputs = (x, topk_weights, biases)
-        with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, inputs) as scope:
-            combined_x, combined_weights = self.backend.combine(x, handle, topk_weights, biases, config)
-            scope.keep(combined_x, combined_weights)
-        return combined_x, combined_weights, scope.event
+        request = v1_checks.combine_request(x, handle, topk_weights, bias, config, self.buffer_id, self.device)
+        with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish,
+                            (x, topk_weights, request.bias)) as scope:
+            result = self.backend.combine(request)
+            scope.keep(result.combined_x, result.combined_topk_weights)
+        if request.bias == (None, None):
+            handle.replays.learn((_COMBINE, config.num_sms, topk_weights is None), result.replay)
+        return result.combined_x, result.combined_topk_weights, scope.event
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(
@@ -538,59 +429,59 @@ class Buffer:
             hook: the receive hook when ``return_recv_hook``, else None.
         """
         recv_stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
-        with torch._C.DisableTorchFunction():   # see _without_torch_function (inline: a call's cost)
-            # A decode-time repeat: the backend checks the tensors against the call shape it
-            # learnt and launches, or returns None (see backends/nvlink/low_latency_fast.py).
-            fast_key = None
+        with torch_functions_off():   # see core/torch_modes.py (inline: a decode call's cost)
+            # A decode-time repeat: the replay of this call shape checks the tensors and launches,
+            # or returns None and the general path checks everything.
+            key = None
             if type(x) is torch.Tensor and type(topk_idx) is torch.Tensor and not async_finish:
-                fast_key = (x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                            round_scale, use_ue8m0, return_recv_hook, recv_stats is None, wait_stats is None)
-                fast = self._fast_dispatch.get(fast_key)
-                if fast is not None:
-                    result = fast(x, topk_idx, recv_stats, wait_stats)
+                key = (x.shape, topk_idx.shape, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                       round_scale, use_ue8m0, return_recv_hook, recv_stats is None, wait_stats is None)
+                replay = self._low_latency_replays.get(key)
+                if replay is not None:
+                    result = replay(x, topk_idx, recv_stats, wait_stats)
                     if result is not None:
                         return result
-            return self._general_low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                                      recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0,
-                                                      async_finish, return_recv_hook, fast_key)
+            request = LowLatencyDispatchRequest(
+                x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                num_experts=num_experts, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                cumulative_local_expert_recv_stats=recv_stats, dispatch_wait_recv_cost_stats=wait_stats,
+                return_recv_hook=return_recv_hook)
+            return self._general_low_latency_dispatch(request, async_finish, key)
 
-    def _general_low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
-                                      num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                                      recv_stats: torch.Tensor | None,
-                                      wait_stats: torch.Tensor | None, use_fp8: bool, round_scale: bool,
-                                      use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
-                                      fast_key: tuple | None) -> tuple:
-        """low_latency_dispatch with every check, torch functions already disabled."""
+    def _general_low_latency_dispatch(self, request: LowLatencyDispatchRequest, async_finish: bool,
+                                      key: tuple | None) -> tuple:
+        """low_latency_dispatch with every check, torch functions already disabled. ``key``: the
+        call's replay key (None: not replayable)."""
         self._check_alive()
-        T, R = num_max_dispatch_tokens_per_rank, self.group_size
+        x, topk_idx = request.x, request.topk_idx
+        recv_stats, wait_stats = request.cumulative_local_expert_recv_stats, request.dispatch_wait_recv_cost_stats
+        T, num_experts, R, on_gpu = request.num_max_dispatch_tokens_per_rank, request.num_experts, self.group_size, \
+            self._on_gpu
         # Decode calls repeat one set of options: once those passed the full checks, a call only
-        # checks its tensors (a few attribute reads; see _fits).
-        on_gpu = self._on_gpu
-        options = (T, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
-                   x.shape if isinstance(x, torch.Tensor) else None,
+        # checks its tensors (a few attribute reads; see checks.fits).
+        options = (T, num_experts, request.use_fp8, request.round_scale, request.use_ue8m0, async_finish,
+                   request.return_recv_hook, x.shape if isinstance(x, torch.Tensor) else None,
                    topk_idx.shape if isinstance(topk_idx, torch.Tensor) else None)
         if not (options in self._low_latency_options_checked
-                and _fits(x, torch.bfloat16, options[7], on_gpu) and _fits(topk_idx, torch.int64, options[8], on_gpu)
-                and (recv_stats is None or _fits(recv_stats, torch.int32, (num_experts // R,), on_gpu))
-                and (wait_stats is None or _fits(wait_stats, torch.int64, (R,), on_gpu))):
-            self._check_low_latency_dispatch(x, topk_idx, T, num_experts, recv_stats, wait_stats, use_fp8,
-                                             round_scale, use_ue8m0, async_finish, return_recv_hook)
+                and checks.fits(x, torch.bfloat16, options[7], on_gpu)
+                and checks.fits(topk_idx, torch.int64, options[8], on_gpu)
+                and (recv_stats is None or checks.fits(recv_stats, torch.int32, (num_experts // R,), on_gpu))
+                and (wait_stats is None or checks.fits(wait_stats, torch.int64, (R,), on_gpu))):
+            v1_checks.check_low_latency_dispatch(request, self.low_latency_mode, async_finish, R, self.device)
+            self._check_low_latency_size(T, x.shape[1], num_experts)
             self._low_latency_options_checked.add(options)
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)   # values: every call (free on the GPU)
         stream = self.backend.low_latency_stream(async_finish)
-        request = LowLatencyDispatchRequest(
-            x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=T, num_experts=num_experts, use_fp8=use_fp8,
-            round_scale=round_scale, use_ue8m0=use_ue8m0, cumulative_local_expert_recv_stats=recv_stats,
-            dispatch_wait_recv_cost_stats=wait_stats, return_recv_hook=return_recv_hook,
-            fast_key=fast_key if stream is None else None)   # fast repeats run on the caller's stream
         if stream is None:   # the caller's stream: nothing to order, no event (decode-time host cost)
-            result = self.backend.low_latency_dispatch(request)
-            return result.packed_recv_x, result.packed_recv_count, result.handle, EventOverlap(None), \
-                _hook(result.hook)
+            replay = self._low_latency_replays.get(key) if key is not None else None
+            result = self.backend.low_latency_dispatch(request, replay)
+            if key is not None:
+                self._low_latency_replays.learn(key, result.replay)
+            return result.packed_recv_x, result.packed_recv_count, result.handle, _NO_EVENT, plain_hook(result.hook)
         with on_comm_stream(stream, None, async_finish, (x, topk_idx)) as scope:
             result = self.backend.low_latency_dispatch(request)
             scope.keep(result.packed_recv_x, result.packed_recv_count)
-        return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, _hook(result.hook)
+        return result.packed_recv_x, result.packed_recv_count, result.handle, scope.event, plain_hook(result.hook)
 
     def low_latency_combine(
         self,
@@ -627,63 +518,52 @@ class Buffer:
                 outputs): pass ``out`` to keep a result longer.
             event, hook: as in low_latency_dispatch.
         """
-        wait_stats = combine_wait_recv_cost_stats
-        with torch._C.DisableTorchFunction():   # as in low_latency_dispatch
-            fast_key = None
+        with torch_functions_off():   # as in low_latency_dispatch
+            request = LowLatencyCombineRequest(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out,
+                                               combine_wait_recv_cost_stats)
+            key = None
             if (type(handle) is LowLatencyHandle and type(x) is torch.Tensor  # noqa: E721
                     and type(topk_idx) is torch.Tensor and not async_finish):
-                fast_key = (handle[2], handle[3], handle[4], topk_idx.shape, zero_copy, return_recv_hook,
-                            wait_stats is None)
-                fast = self._fast_combine.get(fast_key)
-                if fast is not None:
-                    result = fast(x, topk_idx, topk_weights, handle, out, wait_stats)
+                key = (handle[2], handle[3], handle[4], topk_idx.shape, zero_copy, return_recv_hook,
+                       combine_wait_recv_cost_stats is None)
+                replay = self._low_latency_replays.get(key)
+                if replay is not None:
+                    result = replay(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)
                     if result is not None:
                         return result
-            return self._general_low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
-                                                     return_recv_hook, out, wait_stats, fast_key)
+            return self._general_low_latency_combine(request, async_finish, key)
 
-    def _general_low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                                     handle: LowLatencyHandle, zero_copy: bool, async_finish: bool,
-                                     return_recv_hook: bool, out: torch.Tensor | None,
-                                     wait_stats: torch.Tensor | None,
-                                     fast_key: tuple | None) -> tuple[torch.Tensor, EventOverlap,
-                                                                      Callable[[], None] | None]:
+    def _general_low_latency_combine(self, request: LowLatencyCombineRequest, async_finish: bool,
+                                     key: tuple | None) -> tuple[torch.Tensor, EventOverlap,
+                                                                 Callable[[], None] | None]:
         """low_latency_combine with every check, torch functions already disabled."""
         self._check_alive()
-        R, on_gpu = self.group_size, self._on_gpu
-        # The fast path of the checks, as in low_latency_dispatch: a known handle and tensors that fit.
-        if not (type(handle) is LowLatencyHandle and handle.buffer_id == self.buffer_id  # noqa: E721
-                and not (async_finish and return_recv_hook) and isinstance(topk_idx, torch.Tensor)
-                and topk_idx.dim() == 2 and topk_idx.shape[0] <= handle[2]
-                and _fits(x, torch.bfloat16, (handle[4] // R, R * handle[2], handle[3]), on_gpu)
-                and _fits(topk_idx, torch.int64, topk_idx.shape, on_gpu)
-                and _fits(topk_weights, torch.float32, topk_idx.shape, on_gpu)
-                and (out is None or _fits(out, torch.bfloat16, (topk_idx.shape[0], handle[3]), on_gpu))
-                and (wait_stats is None or _fits(wait_stats, torch.int64, (R,), on_gpu))):
-            self._check_low_latency_combine(x, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out,
-                                            wait_stats)
-        checks.check_expert_ids("topk_idx", topk_idx, handle[4])   # values: every call (free on the GPU)
+        if not v1_checks.low_latency_combine_fits(request, async_finish, self.buffer_id, self.group_size,
+                                                  self._on_gpu):
+            v1_checks.check_low_latency_combine(request, self.low_latency_mode, async_finish, self.group_size,
+                                                self.buffer_id, self.device)
+        checks.check_expert_ids("topk_idx", request.topk_idx, request.handle.num_experts)   # every call
         stream = self.backend.low_latency_stream(async_finish)
         if stream is None:
-            combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
-                                                              return_recv_hook, out, wait_stats, fast_key)
-            return combined, EventOverlap(None), _hook(hook)
-        inputs = (x, topk_idx, topk_weights)
-        with on_comm_stream(stream, None, async_finish, inputs) as scope:
-            combined, hook = self.backend.low_latency_combine(x, topk_idx, topk_weights, handle, zero_copy,
-                                                              return_recv_hook, out, wait_stats)
-            scope.keep(combined)
-        return combined, scope.event, _hook(hook)
+            replay = self._low_latency_replays.get(key) if key is not None else None
+            result = self.backend.low_latency_combine(request, replay)
+            if key is not None:
+                self._low_latency_replays.learn(key, result.replay)
+            return result.combined_x, _NO_EVENT, plain_hook(result.hook)
+        with on_comm_stream(stream, None, async_finish, (request.x, request.topk_idx, request.topk_weights)) as scope:
+            result = self.backend.low_latency_combine(request)
+            scope.keep(result.combined_x)
+        return result.combined_x, scope.event, plain_hook(result.hook)
 
-    @_without_torch_function
+    @without_torch_function
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """A writable bf16 [E/R, R*T, H] view that ``low_latency_combine(zero_copy=True)`` sends from."""
         self._check_alive()
         require(self.low_latency_mode, "get_next_low_latency_combine_buffer needs low_latency_mode=True")
-        self._check_handle(handle, LowLatencyHandle)
+        v1_checks.check_handle(handle, LowLatencyHandle, self.buffer_id)
         return self.backend.get_next_low_latency_combine_buffer(handle)
 
-    @_without_torch_function
+    @without_torch_function
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Reset the low-latency area after its memory was used by normal mode. Collective over
         the ranks this rank does not mask (shrink mode)."""
@@ -693,7 +573,7 @@ class Buffer:
         self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     # ------------------------------------------------------------------ shrink mode (rank masks)
-    @_without_torch_function
+    @without_torch_function
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask or unmask one rank for this rank's low-latency calls (shrink mode).
 
@@ -718,7 +598,7 @@ class Buffer:
         # scalar to the device, which CUDA-graph capture refuses.
         rank_mask.narrow(0, rank_to_mask, 1).fill_(1 if mask else 0)
 
-    @_without_torch_function
+    @without_torch_function
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Copy this rank's masks into ``mask_status`` (shrink mode), in stream order.
 
@@ -731,18 +611,18 @@ class Buffer:
                             device=self.device, contiguous=False)
         mask_status.copy_(rank_mask)
 
-    @_without_torch_function
+    @without_torch_function
     def low_latency_clean_mask_buffer(self) -> None:
         """Unmask every rank (shrink mode), in stream order."""
         rank_mask = self._shrink_mask("low_latency_clean_mask_buffer")
         rank_mask.zero_()
 
     # ------------------------------------------------------------------ internals
-    def _repeat_num_sms(self, handle: object, config: object, previous_event: object, async_finish: object,
-                        allocate_on_comm_stream: object) -> int | None:
-        """What dispatch's and combine's repeat paths ask first (one attribute read each): the
-        call's num_sms when it has this live Buffer's handle, a Config or None, and no stream
-        options; else None (the general path checks and raises)."""
+    def _plain_num_sms(self, handle: object, config: object, previous_event: object, async_finish: object,
+                       allocate_on_comm_stream: object) -> int | None:
+        """What dispatch's and combine's replays ask first (one attribute read each): the call's
+        num_sms when it has this live Buffer's handle, a Config or None, and no stream options;
+        else None (the general path checks and raises)."""
         if (type(handle) is DispatchHandle and handle.buffer_id == self.buffer_id and not self._destroyed
                 and previous_event is None and not async_finish and not allocate_on_comm_stream):
             if config is None:
@@ -763,35 +643,6 @@ class Buffer:
         assert self.backend.rank_mask is not None
         return self.backend.rank_mask
 
-    def _check_handle(self, handle: object, kind: type = DispatchHandle) -> None:
-        """``kind``: DispatchHandle for dispatch/combine, LowLatencyHandle for the low-latency calls."""
-        source = "low_latency_dispatch" if kind is LowLatencyHandle else "dispatch"
-        require(isinstance(handle, kind),
-                f"handle must come from this Buffer's {source}, got {type(handle).__name__}")
-        require(handle.buffer_id == self.buffer_id,  # type: ignore[union-attr]
-                "this handle was made by another Buffer; pass it only to the Buffer that dispatched")
-
-    def _check_tokens_per_node(self, num_tokens_per_rdma_rank: torch.Tensor | None, cached: bool) -> None:
-        """dispatch's ``num_tokens_per_rdma_rank``: int32 [num_nodes] for a fresh dispatch over
-        several nodes, else None. The collective backend does not need the counts (it sends by
-        is_token_in_rank); they are checked so that code written for DeepEP's internode path
-        runs unchanged here and on the backend that will use them."""
-        if self.num_nodes == 1:
-            require(num_tokens_per_rdma_rank is None,
-                    f"num_tokens_per_rdma_rank must be None: all {self.group_size} ranks of this Buffer are in "
-                    f"one node")
-        elif cached:
-            require(num_tokens_per_rdma_rank is None,
-                    "num_tokens_per_rdma_rank must be None in cached dispatch (handle given): the handle "
-                    "holds the layout")
-        else:
-            require(num_tokens_per_rdma_rank is not None,
-                    f"dispatch without a handle needs num_tokens_per_rdma_rank (from get_dispatch_layout): "
-                    f"this Buffer's {self.group_size} ranks span {self.num_nodes} nodes of "
-                    f"{self.ranks_per_node}")
-            checks.check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
-                                shape=(self.num_nodes,), device=self.device)
-
     def _check_low_latency_size(self, T: int, hidden: int, num_experts: int) -> None:
         if (T, hidden, num_experts) in self._low_latency_sizes_checked:
             return
@@ -801,54 +652,3 @@ class Buffer:
                 f"num_rdma_bytes >= {needed} (Buffer.get_low_latency_rdma_size_hint), this Buffer has "
                 f"{self.num_rdma_bytes}")
         self._low_latency_sizes_checked.add((T, hidden, num_experts))
-
-    def _check_low_latency_combine(self, x, topk_idx, topk_weights, handle, async_finish, return_recv_hook, out,
-                                   wait_stats) -> None:
-        """Every check of low_latency_combine but the expert ids' values."""
-        require(self.low_latency_mode, "low_latency_combine needs a Buffer made with low_latency_mode=True")
-        require(isinstance(handle, LowLatencyHandle), f"handle must come from low_latency_dispatch, got "
-                f"{type(handle).__name__}")
-        self._check_handle(handle, LowLatencyHandle)
-        require(not (async_finish and return_recv_hook), "async_finish and return_recv_hook cannot both be set")
-        _, _, T, hidden, num_experts = handle
-        R = self.group_size
-        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(num_experts // R, R * T, hidden),
-                            device=self.device)
-        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(None, None), device=self.device)
-        checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
-                            device=self.device)
-        require(topk_idx.shape[0] <= T, f"topk_idx has {topk_idx.shape[0]} tokens, more than T={T}")
-        if out is not None:
-            checks.check_tensor("out", out, dtype=torch.bfloat16, shape=(topk_idx.shape[0], hidden),
-                                device=self.device)
-        if wait_stats is not None:
-            checks.check_tensor("combine_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(R,),
-                                device=self.device)
-
-    def _check_low_latency_dispatch(self, x, topk_idx, T, num_experts, recv_stats, wait_stats, use_fp8,
-                                    round_scale, use_ue8m0, async_finish, return_recv_hook) -> None:
-        """Every check of low_latency_dispatch but the expert ids' values."""
-        require(self.low_latency_mode, "low_latency_dispatch needs a Buffer made with low_latency_mode=True")
-        R = self.group_size
-        checks.check_num_experts(num_experts, R)
-        require(isinstance(T, int) and T > 0, f"num_max_dispatch_tokens_per_rank must be a positive int, got {T!r}")
-        checks.check_tensor("x", x, dtype=torch.bfloat16, shape=(None, None), device=self.device)
-        num_tokens, hidden = x.shape
-        require(num_tokens <= T, f"x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={T}")
-        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=self.device)
-        require(topk_idx.shape[1] <= 11, f"low-latency mode supports top-k <= 11, got {topk_idx.shape[1]}")
-        if use_fp8:
-            require(hidden % 128 == 0, f"fp8 low-latency dispatch needs hidden to be a multiple of 128, got {hidden}")
-        require(not use_ue8m0 or (use_fp8 and round_scale), "use_ue8m0 needs use_fp8=True and round_scale=True")
-        if use_ue8m0:
-            require(hidden % 512 == 0, f"use_ue8m0 packs 4 scales per int32: hidden must be a multiple of 512, "
-                    f"got {hidden}")
-        require(not (async_finish and return_recv_hook), "async_finish and return_recv_hook cannot both be set")
-        if recv_stats is not None:
-            checks.check_tensor("cumulative_local_expert_recv_stats", recv_stats, dtype=torch.int32,
-                                shape=(num_experts // R,), device=self.device)
-        if wait_stats is not None:
-            checks.check_tensor("dispatch_wait_recv_cost_stats", wait_stats, dtype=torch.int64, shape=(R,),
-                                device=self.device)
-        self._check_low_latency_size(T, hidden, num_experts)
-

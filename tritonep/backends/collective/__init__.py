@@ -9,22 +9,24 @@ low-latency combine area) and routes calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from tritonep.backends.base import (
     Backend,
+    CombineRequest,
+    CombineResult,
     DispatchRequest,
     DispatchResult,
+    LowLatencyCombineRequest,
+    LowLatencyCombineResult,
     LowLatencyDispatchRequest,
     LowLatencyDispatchResult,
 )
 from tritonep.backends.collective import low_latency, normal
 from tritonep.core.checks import require
-from tritonep.core.config import Config
-from tritonep.core.handles import DispatchHandle, LowLatencyHandle
+from tritonep.core.handles import LowLatencyHandle
+from tritonep.core.replay import Replay
 
 __all__ = ["CollectiveBackend"]
 
@@ -88,30 +90,31 @@ class CollectiveBackend(Backend):
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         return normal.dispatch(self.group, self.buffer_id, request)
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor | None, torch.Tensor | None],
-                config: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return normal.combine(self.group, x, handle, topk_weights, bias)
+    def combine(self, request: CombineRequest) -> CombineResult:
+        combined_x, combined_weights = normal.combine(self.group, request.x, request.handle, request.topk_weights,
+                                                      request.bias)
+        return CombineResult(combined_x, combined_weights)
 
     # ---- low-latency mode ----------------------------------------------------------------
-    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest,
+                             replay: Replay | None = None) -> LowLatencyDispatchResult:
         return low_latency.dispatch(self.group, self.buffer_id, request, self.rank_mask)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
-                            out: torch.Tensor | None, wait_stats: torch.Tensor | None,
-                            fast_key: tuple | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    def low_latency_combine(self, request: LowLatencyCombineRequest,
+                            replay: Replay | None = None) -> LowLatencyCombineResult:
         """With ``zero_copy`` the rows are read from the current combine buffer (where the caller
         wrote them via ``get_next_low_latency_combine_buffer``); every combine then flips to the
         other buffer, so two combines in flight never share memory."""
-        source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
+        source = self.get_next_low_latency_combine_buffer(request.handle) if request.zero_copy else request.x
         self._combine_buffer_index ^= 1
-        return low_latency.combine(self.group, source, topk_idx, topk_weights, handle, return_recv_hook, out,
-                                   wait_stats, self.rank_mask)
+        combined_x, hook = low_latency.combine(self.group, source, request.topk_idx, request.topk_weights,
+                                               request.handle, request.return_recv_hook, request.out,
+                                               request.wait_stats, self.rank_mask)
+        return LowLatencyCombineResult(combined_x, hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        _, _, T, hidden, num_experts = handle
-        shape = torch.Size((num_experts // self.num_ranks, self.num_ranks * T, hidden))
+        T, hidden = handle.num_max_dispatch_tokens_per_rank, handle.hidden
+        shape = torch.Size((handle.num_experts // self.num_ranks, self.num_ranks * T, hidden))
         buffer_bytes = shape.numel() * 2
         return self.get_local_buffer_tensor(torch.bfloat16, shape, self._combine_buffer_index * buffer_bytes, True)
 

@@ -22,8 +22,12 @@ import triton
 
 from tritonep.backends.base import (
     Backend,
+    CombineRequest,
+    CombineResult,
     DispatchRequest,
     DispatchResult,
+    LowLatencyCombineRequest,
+    LowLatencyCombineResult,
     LowLatencyDispatchRequest,
     LowLatencyDispatchResult,
 )
@@ -40,16 +44,17 @@ from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
 from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout
 from tritonep.backends.nvlink.normal.notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
-from tritonep.backends.nvlink.normal.replay import CachedDispatchRepeat, CombineRepeat
+from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
 from tritonep.backends.nvlink.normal.shape import DispatchShape, SendPlan, dispatch_outputs, guess_rows
-from tritonep.backends.nvlink.tuning import Tuning, reduce_tokens, split_programs, tile_block, tile_shape
+from tritonep.backends.nvlink.tuning import Tuning, combine_tile_tokens, split_programs, tile_block, tile_shape
 from tritonep.core.checks import InputError
-from tritonep.core.config import Config
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
+from tritonep.core.replay import Replay
 from tritonep.core.routing import count_rows_from_prefix, round_up_counts
-from tritonep.device.signals import GPU_KERNELS, INTERPRET, timeout_error
 from tritonep.runtime.launcher import FastLauncher
+from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
 from tritonep.runtime.side_streams import PeerStreams
+from tritonep.runtime.status import timeout_error
 
 # A launch converts only these arguments per call; the others are fixed by the backend and
 # the call's shape, which the setup key stands for (``DispatchShape``, ``combine``).
@@ -88,7 +93,7 @@ class NvlinkBackend(Backend):
         self.dispatch_released = 0
         self.combine_released = 0
         self._dispatch_shapes: dict[tuple, DispatchShape] = {}
-        self.tuning = Tuning()
+        self.tuning = Tuning.from_environment()
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         # A num_worst_tokens dispatch does not sync, so whether its padding was large enough is
         # checked when the next call starts: (its exchange's epoch, num_worst_tokens).
@@ -130,7 +135,7 @@ class NvlinkBackend(Backend):
     def memory(self) -> SymmetricBuffer:
         if self._memory is None:
             raise InputError("normal-mode dispatch/combine on the NVLink backend needs num_nvl_bytes > 0 for its "
-                             "receive areas; make the Buffer with num_nvl_bytes=tritonep.v1.buffer.nvl_bytes_for("
+                             "receive areas; make the Buffer with num_nvl_bytes=tritonep.nvl_bytes_for("
                              "num_tokens, hidden, num_ranks)")
         return self._memory
 
@@ -333,9 +338,10 @@ class NvlinkBackend(Backend):
         self._send_stream.join()   # later work on the current stream (and the allocator) waits for the send
         self.dispatch_released += shape.receivers
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
-        if handle is not None and request.num_worst_tokens == 0:   # the next such call may repeat these launches
-            plan.repeat = CachedDispatchRepeat.learn(
-                self, x, scales, request.config.num_sms, *launched, recv_x, recv_scales, num_out_rows,
+        replay = None
+        if handle is not None and request.num_worst_tokens == 0:   # the next such call may replay these launches
+            replay = CachedDispatchReplay.learn(
+                self, x, scales, *launched, recv_x, recv_scales, num_out_rows,
                 shape.scale_words, shape.receivers, self.dispatch_epoch, self.dispatch_released - shape.receivers)
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]
@@ -343,7 +349,7 @@ class NvlinkBackend(Backend):
         if handle is None:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle, replay)
 
     def _cached_recv_src(self, plan: SendPlan, rows: int) -> torch.Tensor:
         """Where a cached dispatch's receive half writes the source indices it does not return:
@@ -351,11 +357,6 @@ class NvlinkBackend(Backend):
         if plan.cached_recv_src is None:
             plan.cached_recv_src = torch.empty(rows, dtype=torch.int32, device=self._device)
         return plan.cached_recv_src
-
-    def repeat_cached_dispatch(self, x: torch.Tensor, scales: torch.Tensor | None, handle: DispatchHandle,
-                               num_sms: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        repeat = getattr(handle.backend_state, "repeat", None)
-        return None if repeat is None else repeat(x, scales, num_sms)
 
     def _mailbox_result(self, epoch: int, words: int, what: str) -> list[int]:
         """The result words of count exchange ``epoch`` from the host mailbox, once its flag shows
@@ -392,9 +393,9 @@ class NvlinkBackend(Backend):
                              f"num_nvl_bytes")
         return host
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
-                bias: tuple[torch.Tensor | None, torch.Tensor | None], config: Config
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(self, request: CombineRequest) -> CombineResult:
+        x, handle, topk_weights, bias, config = request.x, request.handle, request.topk_weights, request.bias, \
+            request.config
         self.check_status()
         plan: SendPlan = handle.backend_state
         hidden = x.shape[1]
@@ -434,7 +435,7 @@ class NvlinkBackend(Backend):
                     MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
                     NUM_TOPK=max(num_topk, 1), TOPK_PAD=pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
                     HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block),
-                    TOKENS=reduce_tokens(t.tokens, R), STAGE=t.stage, GPU=GPU_KERNELS,
+                    TOKENS=combine_tile_tokens(t.tokens, R), STAGE=t.stage, GPU=GPU_KERNELS,
                     COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
                     NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=channels, **shape)
             return make
@@ -442,7 +443,7 @@ class NvlinkBackend(Backend):
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
             pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)
-            self._fork_combine_copies(x, topk_weights, handle, regions, pieces)
+            self._fork_combine_copies(x, topk_weights, plan, handle.rank_prefix_matrix, regions, pieces)
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
             launch = _COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
             self._peer_streams.join()
@@ -452,50 +453,38 @@ class NvlinkBackend(Backend):
             launch = _COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
                               constants(senders, reducers, senders), t.warps)
         self.combine_released += reducers
-        if bias[0] is None and bias[1] is None:   # the next such call may repeat this launch
-            plan.combine_repeat = CombineRepeat.learn(
-                self, x, topk_weights, config.num_sms, launch, out, out_weights, num_tokens, reducers, pieces,
+        replay = None
+        if bias[0] is None and bias[1] is None:   # the next such call may replay this launch
+            replay = CombineReplay.learn(
+                self, x, topk_weights, handle, launch, out, out_weights, num_tokens, reducers, pieces,
                 regions, self.combine_epoch, self.combine_released - reducers)
-        return out, out_weights
+        return CombineResult(out, out_weights, replay)
 
-    def _fork_combine_copies(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
-                             regions: list[int], pieces: int) -> None:
+    def _fork_combine_copies(self, x: torch.Tensor, topk_weights: torch.Tensor | None, plan: SendPlan,
+                             rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> None:
         """The copy-engine combine's side work for epoch ``combine_epoch``: the top-k weights to
         every peer (on the current stream: the tail words publish them), then each peer's rows
         in ``pieces`` pieces on its side stream (``join`` after the reduction's launch)."""
-        plan: SendPlan = handle.backend_state
         if plan.combine_copies is None:
             plan.combine_copies = combine_copies(plan.counts, self.rank)
         if not plan.combine_copies:   # no rows go to a peer (one rank, or all stay here): nothing to send
             return
         if topk_weights is not None:
-            push_combine_weights(topk_weights, handle.rank_prefix_matrix, self.memory.peer_base_ptrs, regions[1],
+            push_combine_weights(topk_weights, rank_prefix_matrix, self.memory.peer_base_ptrs, regions[1],
                                  self.rank, self.num_ranks, self._launch_key)
         self._peer_streams.fork(combine_copy_jobs(
             x, plan.combine_copies, self.memory.peers, self.memory.peer_base_ptrs, regions[0],
             self.memory.signals.combine_tail, self.rank, self.combine_epoch, pieces, self._launch_key,
             self._driver if self.tuning.combine_driver else None))
 
-    def repeat_combine(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
-                       num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        repeat = getattr(handle.backend_state, "combine_repeat", None)
-        return None if repeat is None else repeat(x, topk_weights, handle, num_sms)
-
     # ------------------------------------------------------------------ low-latency mode
-    def low_latency_dispatch(self, request: LowLatencyDispatchRequest) -> LowLatencyDispatchResult:
-        return self.low_latency.dispatch(request, self.rank_mask, request.fast_key)
+    def low_latency_dispatch(self, request: LowLatencyDispatchRequest,
+                             replay: Replay | None = None) -> LowLatencyDispatchResult:
+        return self.low_latency.dispatch(request, self.rank_mask, replay)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, zero_copy: bool, return_recv_hook: bool,
-                            out: torch.Tensor | None, wait_stats: torch.Tensor | None,
-                            fast_key: tuple | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        return self.low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, return_recv_hook, out,
-                                        wait_stats, self.rank_mask, fast_key)
-
-    def low_latency_fast_paths(self) -> tuple[dict, dict]:
-        if self._low_latency is None:
-            return {}, {}
-        return self._low_latency.fast_dispatch, self._low_latency.fast_combine
+    def low_latency_combine(self, request: LowLatencyCombineRequest,
+                            replay: Replay | None = None) -> LowLatencyCombineResult:
+        return self.low_latency.combine(request, self.rank_mask, replay)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         return self.low_latency.get_next_low_latency_combine_buffer(handle)

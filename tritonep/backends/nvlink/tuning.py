@@ -1,6 +1,11 @@
-"""The NVLink kernels' shapes: how num_sms splits into program roles, rows per tile, the
-combine's path. Every field has an environment override, for the benchmark's sweeps and A/B
-runs (``scripts/normal_profile.py``, ``scripts/dispatch_stress.py`` replace it per Buffer)."""
+"""The NVLink kernels' shapes and the backend's other tunables, in one place.
+
+How num_sms splits into program roles, rows per tile, the combine's path, the low-latency
+kernels' launch shapes, and how long a wait on a peer may last. Each field has an environment
+variable, read once when a Buffer is made (``Tuning.from_environment``), for the benchmark's
+sweeps and A/B runs; scripts and tests may also give a Buffer's backend another ``Tuning``.
+Nothing else in the backend reads the environment.
+"""
 
 from __future__ import annotations
 
@@ -15,35 +20,82 @@ from tritonep.backends.nvlink.memory import MAX_CHANNELS
 
 @dataclass(frozen=True)
 class Tuning:
-    """Kernel shape; environment overrides exist for the benchmark's sweeps."""
+    """Kernel shapes and tunables; ``from_environment`` reads each field's variable."""
 
     # Dispatch: senders push to peers; receivers gather our own rows, then copy arrived ones out.
-    sender_fraction: float = float(os.environ.get("TRITONEP_SENDER_FRACTION", "0.5"))
-    combine_sender_fraction: float = float(os.environ.get("TRITONEP_COMBINE_SENDER_FRACTION", "0.375"))
-    rows: int = int(os.environ.get("TRITONEP_ROWS", "0"))          # rows per tile; 0: by row size (tile_rows)
-    block: int = int(os.environ.get("TRITONEP_BLOCK", "0"))        # columns per chunk; 0: tile_block
-    warps: int = int(os.environ.get("TRITONEP_WARPS", "32"))
-    tokens: int = int(os.environ.get("TRITONEP_REDUCE_TOKENS", "0"))   # combine's tokens per tile; 0: reduce_tokens
-    combine_block: int = int(os.environ.get("TRITONEP_COMBINE_BLOCK", "2048"))   # columns per reduced tile
-    stage: int = int(os.environ.get("TRITONEP_STAGE", "32"))
+    sender_fraction: float = 0.5
+    combine_sender_fraction: float = 0.375
+    rows: int = 0              # rows per tile; 0: by row size (tile_rows)
+    block: int = 0             # columns per chunk; 0: tile_block
+    warps: int = 32
+    tokens: int = 0            # combine's tokens per reduction tile; 0: by rank count (combine_tile_tokens)
+    combine_block: int = 2048  # columns per reduced tile
+    stage: int = 32
     # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
     # this many pieces per peer (each piece costs a copy and a stream write on the host, and a
-    # few microseconds between them on the GPU: 8 pieces measured slower than 2 or 4 at EP2);
+    # few microseconds between them on the GPU, so a few large pieces beat many small ones);
     # 0: by rank count (``combine_copy_engine.pieces_per_peer``).
-    copy_engine_combine: bool = os.environ.get("TRITONEP_COMBINE_COPY_ENGINE", "1") == "1"
-    combine_pieces: int = int(os.environ.get("TRITONEP_COMBINE_PIECES", "0"))
+    copy_engine_combine: bool = True
+    combine_pieces: int = 0
     # Those pieces through the CUDA driver (cuda-bindings: a copy and a stream write per piece)
     # when it is installed; False: torch's copies and a signal kernel per piece.
-    combine_driver: bool = os.environ.get("TRITONEP_COMBINE_DRIVER", "1") == "1"
+    combine_driver: bool = True
     # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
     # as one would without the overlap; for A/B runs).
-    send_before_sync: bool = os.environ.get("TRITONEP_SEND_BEFORE_SYNC", "1") == "1"
+    send_before_sync: bool = True
     # Fresh dispatch: also launch the receive half before the counts come back, into outputs
     # sized from the previous fresh dispatch of the same shape plus this fraction and 64 rows
     # (the returned tensors are views of the first rows; a larger count relaunches it exactly).
     # False: allocate after the read-back (exact outputs, the host on the GPU's critical path).
-    receive_before_sync: bool = os.environ.get("TRITONEP_RECEIVE_BEFORE_SYNC", "1") == "1"
-    fresh_slack: float = float(os.environ.get("TRITONEP_FRESH_SLACK", "0.0625"))
+    receive_before_sync: bool = True
+    fresh_slack: float = 0.0625
+    # Low-latency kernels: programs per SM and warps per program of each launch (the dispatch
+    # is fastest with two 8-warp programs per SM, the combine with four 4-warp programs moving
+    # 4 rows per step), and the rows per step of the combine and of the dispatch's receive.
+    low_latency_programs_per_sm: int = 2
+    low_latency_warps: int = 8
+    low_latency_combine_programs_per_sm: int = 4
+    low_latency_combine_warps: int = 4
+    low_latency_rows: int = 4
+    low_latency_recv_rows: int = 4
+    # How long a kernel waits for a peer before it gives up and the host raises naming it.
+    timeout_s: float = 60.0
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    @classmethod
+    def from_environment(cls) -> Tuning:
+        """The defaults with every ``TRITONEP_*`` variable of ``ENVIRONMENT`` that is set applied."""
+        changes = {field: os.environ[variable] for field, variable in ENVIRONMENT.items() if variable in os.environ}
+        return parse_changes(cls(), changes)
+
+
+# Each field's environment variable.
+ENVIRONMENT = {
+    "sender_fraction": "TRITONEP_SENDER_FRACTION",
+    "combine_sender_fraction": "TRITONEP_COMBINE_SENDER_FRACTION",
+    "rows": "TRITONEP_ROWS",
+    "block": "TRITONEP_BLOCK",
+    "warps": "TRITONEP_WARPS",
+    "tokens": "TRITONEP_REDUCE_TOKENS",
+    "combine_block": "TRITONEP_COMBINE_BLOCK",
+    "stage": "TRITONEP_STAGE",
+    "copy_engine_combine": "TRITONEP_COMBINE_COPY_ENGINE",
+    "combine_pieces": "TRITONEP_COMBINE_PIECES",
+    "combine_driver": "TRITONEP_COMBINE_DRIVER",
+    "send_before_sync": "TRITONEP_SEND_BEFORE_SYNC",
+    "receive_before_sync": "TRITONEP_RECEIVE_BEFORE_SYNC",
+    "fresh_slack": "TRITONEP_FRESH_SLACK",
+    "low_latency_programs_per_sm": "TRITONEP_LL_PROGRAMS_PER_SM",
+    "low_latency_warps": "TRITONEP_LL_WARPS",
+    "low_latency_combine_programs_per_sm": "TRITONEP_LL_COMBINE_PROGRAMS_PER_SM",
+    "low_latency_combine_warps": "TRITONEP_LL_COMBINE_WARPS",
+    "low_latency_rows": "TRITONEP_LL_ROWS",
+    "low_latency_recv_rows": "TRITONEP_LL_RECV_ROWS",
+    "timeout_s": "TRITONEP_TIMEOUT_S",
+}
 
 
 def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
@@ -53,13 +105,11 @@ def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
     return senders, total - senders
 
 
-def reduce_tokens(tokens: int, num_ranks: int) -> int:
+def combine_tile_tokens(tokens: int, num_ranks: int) -> int:
     """Tokens per tile of the combine's reduction: ``tokens`` if set, else 8 at one rank and 4
     otherwise. A tile loads one [tokens, block] chunk per rank a token went to, so at one rank
-    4 tokens keep only 16 KB in flight per program: with 8 the combine took 97.5 us against
-    140.2 at 24 SMs, hidden 7168 (H100, docs/benchmarks/2026-11-25-h100x1-s13, run 5), while at
-    EP2 (32 KB with 4) neither 2 nor 8 was faster (2026-11-24-h200x2). EP4 and EP8 keep 4 until
-    measured."""
+    4 tokens keep too few bytes in flight per program to cover the load latency; with more
+    ranks each tile already loads one chunk per rank (docs/findings.md gives the figures)."""
     if tokens:
         return tokens
     return 8 if num_ranks == 1 else 4
@@ -93,12 +143,18 @@ def tile_shape(rows: int, row_bytes: int) -> dict[str, int]:
     return dict(ROWS=tile, SIGNAL_EVERY=max(1, 32 // tile))
 
 
-def with_changes(tuning: Tuning, changes: str) -> Tuning:
-    """``tuning`` with ``"field=value[,field=value]"`` applied (``"defaults"``: none), values
-    read as the field's type (booleans as 1/0 or true/false): the scripts' variant syntax."""
+def parse_changes(tuning: Tuning, changes: dict[str, str]) -> Tuning:
+    """``tuning`` with the fields in ``changes`` set from strings, read as the field's type
+    (booleans as 1/0 or true/false)."""
     fields = {}
-    for item in ([] if changes == "defaults" else changes.split(",")):
-        name, value = item.split("=")
+    for name, value in changes.items():
         current = getattr(tuning, name)
         fields[name] = value in ("1", "true", "True") if isinstance(current, bool) else type(current)(value)
     return dataclasses.replace(tuning, **fields)
+
+
+def with_changes(tuning: Tuning, changes: str) -> Tuning:
+    """``tuning`` with ``"field=value[,field=value]"`` applied (``"defaults"``: none): the
+    benchmark's variant syntax."""
+    items = [] if changes == "defaults" else changes.split(",")
+    return parse_changes(tuning, dict(item.split("=") for item in items))

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.low_latency import regions as layout
-from tritonep.device.signals import PHASE_LL_CLEAN, barrier_unmasked, load_rank_mask
+from tritonep.device.signals import barrier_unmasked, load_rank_mask
+from tritonep.device.status_codes import PHASE_LL_CLEAN
 
 CLEAN_END = tl.constexpr(layout.CLEAN_END)
 BARRIER = tl.constexpr(layout.BARRIER)

@@ -32,8 +32,6 @@ import triton.language as tl
 from tritonep.backends.nvlink.low_latency import regions as layout
 from tritonep.device.rows import copy_rows
 from tritonep.device.signals import (
-    PHASE_LL_COMBINE_DATA,
-    PHASE_LL_COMBINE_SLOT,
     begin_low_latency_send,
     fence_system,
     finish_low_latency_launch,
@@ -47,6 +45,7 @@ from tritonep.device.signals import (
     store_relaxed,
     wait_all_at_least,
 )
+from tritonep.device.status_codes import PHASE_LL_COMBINE_DATA, PHASE_LL_COMBINE_SLOT
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 4)
 SEQUENCE_RECEIVED = tl.constexpr(layout.SEQUENCE + 6)

@@ -41,8 +41,6 @@ from tritonep.backends.nvlink.low_latency import regions as layout
 from tritonep.device.fp8_tiles import cast_row, pack_bytes
 from tritonep.device.rows import copy_rows
 from tritonep.device.signals import (
-    PHASE_LL_DISPATCH_DATA,
-    PHASE_LL_DISPATCH_SLOT,
     begin_low_latency_send,
     fence_system,
     finish_low_latency_launch,
@@ -57,6 +55,7 @@ from tritonep.device.signals import (
     store_relaxed,
     wait_all_at_least,
 )
+from tritonep.device.status_codes import PHASE_LL_DISPATCH_DATA, PHASE_LL_DISPATCH_SLOT
 
 SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 0)
 SEQUENCE_RECEIVED = tl.constexpr(layout.SEQUENCE + 2)

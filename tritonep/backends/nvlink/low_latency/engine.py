@@ -34,18 +34,25 @@ import torch
 import torch.distributed as dist
 import triton
 
-from tritonep.backends.base import LowLatencyDispatchRequest, LowLatencyDispatchResult
+from tritonep.backends.base import (
+    LowLatencyCombineRequest,
+    LowLatencyCombineResult,
+    LowLatencyDispatchRequest,
+    LowLatencyDispatchResult,
+)
 from tritonep.backends.nvlink.low_latency.clean_kernel import low_latency_clean_kernel
 from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_combine_kernel
 from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel
 from tritonep.backends.nvlink.low_latency.regions import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
-from tritonep.backends.nvlink.low_latency.replay import FastCombine, FastDispatch, LowLatencyState, aligned
+from tritonep.backends.nvlink.low_latency.replay import LowLatencyCombineReplay, LowLatencyDispatchReplay, LowLatencyState, aligned
 from tritonep.backends.nvlink.memory import SymmetricBuffer
 from tritonep.core import fp8
 from tritonep.core.checks import InputError
 from tritonep.core.handles import LowLatencyHandle
-from tritonep.device.signals import GPU_KERNELS, INTERPRET, MASKED_BIT, masked_after_timeout_message, timeout_error
+from tritonep.device.status_codes import MASKED_BIT
 from tritonep.runtime.launcher import FastLauncher, resident_programs
+from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
+from tritonep.runtime.status import masked_after_timeout_message, timeout_error
 
 # The kernels' arguments that may change between two calls of one setup. The others are fixed
 # by the engine (its memory, rank, status word) and by the setup key each call passes (shape,
@@ -129,9 +136,6 @@ class LowLatencyEngine:
         self._dispatch_launcher = FastLauncher(low_latency_dispatch_kernel, _DISPATCH_CHANGING)
         self._combine_launcher = FastLauncher(low_latency_combine_kernel, _COMBINE_CHANGING)
         self.combine_buffer_index = 0
-        # Call shapes seen before (low_latency_fast), under the keys the Buffer makes.
-        self.fast_dispatch: dict[tuple, FastDispatch] = {}
-        self.fast_combine: dict[tuple, FastCombine] = {}
         self._combine_outputs: dict[tuple[int, int, int], torch.Tensor] = {}   # (slot, T, H) -> [T, H]
         # Shrink mode: the ranks each combine slot's call skips, saved by its send half for its
         # receive half.
@@ -245,9 +249,10 @@ class LowLatencyEngine:
         return self._dispatch_plans[key]
 
     def dispatch(self, request: LowLatencyDispatchRequest, rank_mask: torch.Tensor | None = None,
-                 fast_key: tuple | None = None) -> LowLatencyDispatchResult:
-        """``rank_mask``: shrink mode's int32 [R] (1 = skip that rank), or None. ``fast_key``: the
-        Buffer's key for this call shape in ``fast_dispatch``, which learns this call's launches."""
+                 replay: LowLatencyDispatchReplay | None = None) -> LowLatencyDispatchResult:
+        """``rank_mask``: shrink mode's int32 [R] (1 = skip that rank), or None. ``replay``: the
+        front end's replay of this call shape, which learns this call's launches (a new one when
+        None); handed back with the result."""
         self.check_status()
         x, topk_idx = request.x, request.topk_idx
         if not topk_idx.is_contiguous():
@@ -278,22 +283,20 @@ class LowLatencyEngine:
             **constants, "HAS_RECV_STATS": flags[0], "HAS_WAIT_STATS": flags[1], "HAS_MASK": flags[2]},
             request.return_recv_hook)
         fast = None
-        # A repeat of this call shape may take the fast path with these launches: they were made
-        # for contiguous, 16-byte aligned tensors (what the fast path checks).
-        if (fast_key is not None and first is not None and x_row_stride == hidden and topk_idx is request.topk_idx
+        # A repeat of this call shape may be replayed with these launches: they were made for
+        # contiguous, 16-byte aligned tensors (what the replay checks).
+        if (first is not None and x_row_stride == hidden and topk_idx is request.topk_idx
                 and aligned(x.data_ptr(), topk_idx.data_ptr(), *[stats.data_ptr() for stats in (recv_stats, wait_stats)
                                                                    if stats is not None])):
-            fast = self.fast_dispatch.get(fast_key)
-            if fast is None:
-                fast = self.fast_dispatch[fast_key] = FastDispatch(
-                    self, request.return_recv_hook, request.num_max_dispatch_tokens_per_rank, hidden,
-                    request.num_experts, self._dispatch_launcher.names)
+            fast = replay if replay is not None else LowLatencyDispatchReplay(
+                self, request.return_recv_hook, request.num_max_dispatch_tokens_per_rank, hidden,
+                request.num_experts, self._dispatch_launcher.names)
             fast.slots.learn(slot, first, outputs)
         handle = LowLatencyHandle(src_info, layout_range, request.num_max_dispatch_tokens_per_rank, hidden,
                                   request.num_experts, self.buffer_id, state)
         if receive is None:
             state.received = True
-            return LowLatencyDispatchResult(packed, packed_count, handle, None)
+            return LowLatencyDispatchResult(packed, packed_count, handle, None, fast or replay)
 
         def hook() -> None:
             self.check_status()
@@ -303,16 +306,15 @@ class LowLatencyEngine:
             if fast is not None:
                 fast.slots.learn_receive(slot, launched)
 
-        return LowLatencyDispatchResult(packed, packed_count, handle, hook)
+        return LowLatencyDispatchResult(packed, packed_count, handle, hook, fast or replay)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
-                zero_copy: bool, return_recv_hook: bool, out: torch.Tensor | None,
-                wait_stats: torch.Tensor | None = None,
-                rank_mask: torch.Tensor | None = None,
-                fast_key: tuple | None = None) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """``wait_stats``: combine_wait_recv_cost_stats or None; ``rank_mask`` and ``fast_key`` as
-        in dispatch (``fast_combine``)."""
+    def combine(self, request: LowLatencyCombineRequest, rank_mask: torch.Tensor | None = None,
+                replay: LowLatencyCombineReplay | None = None) -> LowLatencyCombineResult:
+        """``rank_mask`` and ``replay`` as in dispatch."""
+        x, topk_idx, topk_weights, handle = request.x, request.topk_idx, request.topk_weights, request.handle
+        zero_copy, return_recv_hook, out, wait_stats = request.zero_copy, request.return_recv_hook, request.out, \
+            request.wait_stats
         self.check_status()
         state: LowLatencyState = handle.backend_state
         if not state.received:
@@ -323,7 +325,7 @@ class LowLatencyEngine:
         self.combine_buffer_index ^= 1
         expert_stride, row_stride, column_stride = source.stride()
         # The fast path's launches assume every tensor as the user gave it, contiguous.
-        learnable = fast_key is not None and source.is_contiguous() and x.is_contiguous() \
+        learnable = source.is_contiguous() and x.is_contiguous() \
             and topk_idx.is_contiguous() and topk_weights.is_contiguous()
         if column_stride != 1 or expert_stride % 2 or row_stride % 2:   # rows move as int32 words
             source = source.contiguous()
@@ -363,9 +365,7 @@ class LowLatencyEngine:
         if (learnable and first is not None and target is out
                 and aligned(*[tensor.data_ptr() for tensor in (source, topk_idx, topk_weights, out, wait_stats)
                               if tensor is not None])):
-            fast = self.fast_combine.get(fast_key)
-            if fast is None:
-                fast = self.fast_combine[fast_key] = FastCombine(self, return_recv_hook, zero_copy, T, hidden,
+            fast = replay if replay is not None else LowLatencyCombineReplay(self, return_recv_hook, zero_copy, T, hidden,
                                                                  num_experts, self._combine_launcher.names)
             fast.slots.learn(slot, first, slot_output)
 
@@ -375,7 +375,7 @@ class LowLatencyEngine:
 
         if receive is None:
             copy_back()
-            return out, None
+            return LowLatencyCombineResult(out, None, fast or replay)
 
         def hook() -> None:
             self.check_status()
@@ -385,7 +385,7 @@ class LowLatencyEngine:
             if fast is not None:
                 fast.slots.learn_receive(slot, launched)
 
-        return out, hook
+        return LowLatencyCombineResult(out, hook, fast or replay)
 
     # ------------------------------------------------------------------ memory
     def combine_output(self, slot: int, T: int, hidden: int, num_tokens: int) -> torch.Tensor:
@@ -441,8 +441,6 @@ class LowLatencyEngine:
         self.combine_order.reset()
 
     def release(self) -> None:
-        self.fast_dispatch.clear()   # their launches point into the memory released here
-        self.fast_combine.clear()
         self._dispatch_plans.clear()   # and the outputs they keep (a destroyed Buffer holds no GPU memory)
         self._combine_outputs.clear()
         self.memory.release()

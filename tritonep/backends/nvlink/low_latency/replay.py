@@ -6,7 +6,7 @@ lookup, ``FastLauncher``'s conversion of every changing argument) cost 13 us of 
 H200 host beside 4.7 us for the launch itself (docs/benchmarks/2026-11-23-host-path); issue 11
 asks for 10 us in all.
 
-A ``FastDispatch`` / ``FastCombine`` stands for one such call shape. The general path fills it
+A ``LowLatencyDispatchReplay`` / ``LowLatencyCombineReplay`` stands for one such call shape. The general path fills it
 as it runs (``learn``): per receive slot, the compiled launches it made (``launcher._Setup``:
 the kernel and its raw argument list, tensors as addresses) and the outputs it reused. A repeat
 then checks its tensors (dtype, contiguity, device, 16-byte alignment: what those launches were
@@ -112,7 +112,7 @@ def _receive_hook(engine: LowLatencyEngine, order: Any, call: int, slot: int, re
     return hook
 
 
-class FastDispatch:
+class LowLatencyDispatchReplay:
     """One low-latency dispatch shape: (x shape, top-k shape, T, E, fp8 options, hook, which
     statistics are given)."""
 
@@ -141,7 +141,7 @@ class FastDispatch:
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_stats: torch.Tensor | None,
                  wait_stats: torch.Tensor | None) -> tuple | None:
         """Buffer.low_latency_dispatch's return value, or None: take the general path. (Written
-        for few Python operations, as FastCombine's.)"""
+        for few Python operations, as LowLatencyCombineReplay's.)"""
         engine, device = self.engine, self.device_index
         order = engine.dispatch_order
         slot = order.sent & 1
@@ -186,7 +186,7 @@ class FastDispatch:
             engine, order, call, slot, receive, tuple(changes), received, (x, topk_idx, recv_stats, wait_stats))
 
 
-class FastCombine:
+class LowLatencyCombineReplay:
     """One low-latency combine shape: (T, H, E, top-k shape, zero copy, hook, wait statistics
     given); with or without ``out`` alike (without, the output is the engine's per-slot one)."""
 

@@ -46,8 +46,9 @@ import triton.language as tl
 
 from tritonep.backends.nvlink.memory import MAX_CHANNELS
 from tritonep.device.rows import block_count, block_start
-from tritonep.device.signals import GPU_KERNELS, fence_system, publish
+from tritonep.device.signals import fence_system, publish
 from tritonep.runtime.launcher import FastLauncher, current_stream
+from tritonep.runtime.platform import GPU_KERNELS
 
 
 @triton.jit(do_not_specialize=["peer", "tail_index", "value"])

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
-from tritonep.device.signals import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT, add_release, publish, wait_at_least
+from tritonep.device.signals import add_release, publish, wait_at_least
+from tritonep.device.status_codes import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT
 
 
 @triton.jit

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
-from tritonep.device.signals import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT, add_release, publish, wait_at_least
+from tritonep.device.signals import add_release, publish, wait_at_least
+from tritonep.device.status_codes import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT
 
 
 @triton.jit

@@ -22,8 +22,10 @@ import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
-from tritonep.device.signals import GPU_KERNELS, PHASE_NOTIFY, fence_system, publish, store_relaxed, wait_at_least
+from tritonep.device.signals import fence_system, publish, store_relaxed, wait_at_least
+from tritonep.device.status_codes import PHASE_NOTIFY
 from tritonep.runtime.launcher import FastLauncher, next_power_of_2
+from tritonep.runtime.platform import GPU_KERNELS
 
 # The host mailbox (int64, pinned): [flag = the exchange's epoch, result words...].
 MAILBOX_HEADER = 1

@@ -7,7 +7,7 @@ an H200 host that cost about 47 us per cached dispatch and per combine beside la
 microseconds each (docs/benchmarks/2026-11-24-h200x1-s6, run 20), and 130 us on the x2 host
 where DeepEP's took 45 and 36 (2026-11-24-h200x2-s6).
 
-A ``CachedDispatchRepeat`` / ``CombineRepeat`` stands for one such call: the handle (its send
+A ``CachedDispatchReplay`` / ``CombineReplay`` stands for one such call: the handle (its send
 plan holds the objects), the input's dtype, shape and layout, and ``num_sms``. The general path
 makes it after the call (``learn``) from the compiled launches it made (``launcher._Setup``):
 private copies of their raw argument lists, in which a repeat writes only what changes per
@@ -61,14 +61,14 @@ def _layout(tensor: torch.Tensor | None) -> tuple | None:
     return tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device()
 
 
-def _fitting_addresses(repeat: CachedDispatchRepeat | CombineRepeat, num_sms: int, main: torch.Tensor,
+def _fitting_addresses(repeat: CachedDispatchReplay | CombineReplay, main: torch.Tensor,
                        other: torch.Tensor | None) -> tuple[int, int] | None:
     """(main's address, other's or else main's) when a call with these inputs fits what
-    ``repeat`` learnt, else None: another layout or ``num_sms``, a misaligned input, or a
+    ``repeat`` learnt, else None: another layout, a misaligned input, or a
     backend whose state sends every call through the general path (other kernel shapes, a
     time-out to report, a num_worst_tokens dispatch whose counts are still to be checked)."""
     backend = repeat.backend
-    if (num_sms != repeat.num_sms or backend._launch_key != repeat.launch_key or backend._status_host[0]
+    if (backend._launch_key != repeat.launch_key or backend._status_host[0]
             or backend._unchecked_padding is not None or (_layout(main), _layout(other)) != repeat.layout):
         return None
     main_address = main.data_ptr()
@@ -76,14 +76,14 @@ def _fitting_addresses(repeat: CachedDispatchRepeat | CombineRepeat, num_sms: in
     return None if (main_address | other_address) & 15 else (main_address, other_address)
 
 
-class CachedDispatchRepeat:
-    __slots__ = ("backend", "launch_key", "layout", "num_sms", "rows", "scale_words", "receivers", "send",
+class CachedDispatchReplay:
+    __slots__ = ("backend", "launch_key", "layout", "rows", "scale_words", "receivers", "send",
                  "send_args", "receive", "receive_args", "send_job")
 
-    def __init__(self, backend: NvlinkBackend, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int,
+    def __init__(self, backend: NvlinkBackend, x: torch.Tensor, scales: torch.Tensor | None,
                  send: Any, receive: Any, rows: int, scale_words: int, receivers: int) -> None:
         self.backend, self.launch_key = backend, backend._launch_key
-        self.layout, self.num_sms = (_layout(x), _layout(scales)), num_sms
+        self.layout = (_layout(x), _layout(scales))
         self.rows, self.scale_words, self.receivers = rows, scale_words, receivers
         self.send, self.receive = send, receive
         self.send_args = None if send is None else list(send.args)
@@ -93,9 +93,9 @@ class CachedDispatchRepeat:
         self.send_job = None if send is None else lambda: send(current_stream(), send_args)
 
     @staticmethod
-    def learn(backend: NvlinkBackend, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int, send: Any,
-              receive: Any, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, rows: int, scale_words: int,
-              receivers: int, epoch: int, released: int) -> CachedDispatchRepeat | None:
+    def learn(backend: NvlinkBackend, x: torch.Tensor, scales: torch.Tensor | None, send: Any, receive: Any,
+              recv_x: torch.Tensor, recv_scales: torch.Tensor | None, rows: int, scale_words: int,
+              receivers: int, epoch: int, released: int) -> CachedDispatchReplay | None:
         """The repeat of the cached dispatch the general path just launched (``send``, None with
         one rank, and ``receive``: the compiled launches it made), or None when it launched none
         (the interpreter) or when the lists do not hold this call's values where a repeat writes."""
@@ -109,11 +109,11 @@ class CachedDispatchRepeat:
             outputs[_D_OUT_SCALES] = recv_scales.data_ptr()
         if not _holds(receive, {**inputs, **outputs}) or (send is not None and not _holds(send, inputs)):
             return None
-        return CachedDispatchRepeat(backend, x, scales, num_sms, send, receive, rows, scale_words, receivers)
+        return CachedDispatchReplay(backend, x, scales, send, receive, rows, scale_words, receivers)
 
-    def __call__(self, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int) -> Any:
+    def __call__(self, x: torch.Tensor, scales: torch.Tensor | None) -> Any:
         """recv_x (or (recv_x, recv_scales)) of the cached dispatch, or None: take the general path."""
-        addresses = _fitting_addresses(self, num_sms, x, scales)
+        addresses = _fitting_addresses(self, x, scales)
         if addresses is None:
             return None
         x_address, scales_address = addresses
@@ -139,21 +139,25 @@ class CachedDispatchRepeat:
         return recv_x if scales is None else (recv_x, recv_scales)
 
 
-class CombineRepeat:
-    __slots__ = ("backend", "launch_key", "layout", "num_sms", "num_tokens", "reducers", "pieces", "regions",
-                 "launch", "args")
+class CombineReplay:
+    __slots__ = ("backend", "launch_key", "layout", "plan", "rank_prefix_matrix", "num_tokens", "reducers", "pieces",
+                 "regions", "launch", "args")
 
-    def __init__(self, backend: NvlinkBackend, x: torch.Tensor, topk_weights: torch.Tensor | None, num_sms: int,
-                 launch: Any, num_tokens: int, reducers: int, pieces: int, regions: list[int]) -> None:
+    def __init__(self, backend: NvlinkBackend, x: torch.Tensor, topk_weights: torch.Tensor | None,
+                 handle: DispatchHandle, launch: Any, num_tokens: int, reducers: int, pieces: int,
+                 regions: list[int]) -> None:
         self.backend, self.launch_key = backend, backend._launch_key
-        self.layout, self.num_sms = (_layout(x), _layout(topk_weights)), num_sms
+        self.layout = (_layout(x), _layout(topk_weights))
+        # What the copy-engine side work reads of the handle (not the handle itself: the replay
+        # lives in the handle's table, and a cycle would keep its tensors until the cyclic GC).
+        self.plan, self.rank_prefix_matrix = handle.backend_state, handle.rank_prefix_matrix
         self.num_tokens, self.reducers, self.pieces, self.regions = num_tokens, reducers, pieces, regions
         self.launch, self.args = launch, list(launch.args)
 
     @staticmethod
-    def learn(backend: NvlinkBackend, x: torch.Tensor, topk_weights: torch.Tensor | None, num_sms: int,
+    def learn(backend: NvlinkBackend, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
               launch: Any, out: torch.Tensor, out_weights: torch.Tensor | None, num_tokens: int, reducers: int,
-              pieces: int, regions: list[int], epoch: int, released: int) -> CombineRepeat | None:
+              pieces: int, regions: list[int], epoch: int, released: int) -> CombineReplay | None:
         """The repeat of the combine (without bias) the general path just launched, or None when
         it made no compiled launch or the launch's list does not hold this call's values.
         ``pieces``: pieces per peer on the copy engines, 0 when SM programs send."""
@@ -166,12 +170,12 @@ class CombineRepeat:
                   _C_EPOCH: epoch, _C_RELEASED: released}
         if not _holds(launch, values):
             return None
-        return CombineRepeat(backend, x, topk_weights, num_sms, launch, num_tokens, reducers, pieces, regions)
+        return CombineReplay(backend, x, topk_weights, handle, launch, num_tokens, reducers, pieces, regions)
 
-    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
-                 num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(combined_x, combined_topk_weights), launched, or None: take the general path."""
-        addresses = _fitting_addresses(self, num_sms, x, topk_weights)
+        addresses = _fitting_addresses(self, x, topk_weights)
         if addresses is None:
             return None
         x_address, weights_address = addresses
@@ -182,7 +186,8 @@ class CombineRepeat:
         epoch = backend.combine_epoch = backend.combine_epoch + 1
         released = backend.combine_released
         if self.pieces:
-            backend._fork_combine_copies(x, topk_weights, handle, self.regions, self.pieces)
+            backend._fork_combine_copies(x, topk_weights, self.plan, self.rank_prefix_matrix, self.regions,
+                                         self.pieces)
         args = self.args
         args[_C_X], args[_C_X_WORDS], args[_C_BIAS0], args[_C_BIAS1], args[_C_WEIGHTS] = \
             x_address, x_address, x_address, x_address, weights_address

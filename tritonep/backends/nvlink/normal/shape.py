@@ -10,14 +10,14 @@ dispatch and the combine reuse from the dispatch that made the handle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from tritonep.backends.nvlink.memory import MAX_CHANNELS
 from tritonep.backends.nvlink.tuning import Tuning, split_programs, tile_block, tile_shape
-from tritonep.device.signals import GPU_KERNELS
+from tritonep.runtime.platform import GPU_KERNELS
 
 if TYPE_CHECKING:
     from tritonep.backends.nvlink.backend import NvlinkBackend
@@ -37,9 +37,6 @@ class SendPlan:
     # Cached dispatches of this handle: where their receive half writes the source indices,
     # which a cached dispatch does not return (made by the first one).
     cached_recv_src: torch.Tensor | None = None
-    # The repeat paths (normal_repeat.py) the latest cached dispatch and combine learnt.
-    repeat: Any = None
-    combine_repeat: Any = None
 
 
 @dataclass
