@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test job (what CI runs, via .ci/run): lint, then the CPU test suite in two runs:
+# The test job (what CI runs, via .ci/run): lint (ruff, and no import cycle in tritonep/), then the
+# CPU test suite in two runs:
 #   main         pytest -m "not gpu and not interpreter"   in .venv (current numpy)
 #   interpreter  pytest -m "interpreter and not gpu"       in .venv-interpreter (numpy<2.4)
 # and both again with torch's default dtype set to bfloat16, as DeepEP's users do.
@@ -19,8 +20,10 @@ source scripts/setup_env.sh test   # sets PY, PY_INTERPRETER and PY_AS_IS
 if [ "$PY_AS_IS" = 1 ] && ! "$PY" -m ruff --version >/dev/null 2>&1; then
     echo "run_tests.sh: no ruff in $PY: lint SKIPPED (pip install ruff==0.17.6 there to lint)" >&2
 else
-    "$PY" -m ruff check tritonep tests scripts
+    "$PY" -m ruff check tritonep tests scripts benchmarks examples
 fi
+# The package's modules must not import each other in a loop (plain Python: no ruff needed).
+"$PY" scripts/check_import_cycles.py tritonep
 
 status=0       # becomes 1 when any run fails
 runs_empty=0   # runs that selected no tests

@@ -213,8 +213,7 @@ def save_rank_mask(out_ptr, masked, ranks, NUM_RANKS: tl.constexpr, HAS_MASK: tl
     Every program stores it (the same values) before it polls it. With program 0 alone storing,
     a program that started first could poll the slot's previous call's mask, and a rank masked
     then but not now counted as given up: that program sent it nothing, and the rank timed out
-    waiting. (The likely cause of a shrink-mode GPU test that failed with 528 programs per
-    launch, 2026-11-24; this fix has not run on a GPU yet.) A time-out that masks a rank while
+    waiting: with hundreds of programs per launch they do not all start together. A time-out that masks a rank while
     a late program still stores its own copy may be undone there; that program then waits for
     the rank itself, and masks it again on its time-out."""
     if HAS_MASK:

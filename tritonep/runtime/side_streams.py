@@ -2,14 +2,14 @@
 per peer; the send half of dispatch).
 
 A ``cudaMemcpyAsync`` between two GPUs' memory runs on a copy engine: no SM is involved, and
-one copy streams at close to the link's speed (390 GB/s per direction measured on H200 NV18,
-shared/probes). Copies on one stream run one after another, so each peer gets a stream of its
-own. ``fork`` starts the jobs after the work already queued on the current stream (or after
-an earlier point of it, taken with ``mark``); the caller then queues its kernels, which run
-beside the jobs, and ``join`` makes the current stream wait for the jobs (so that the caching
-allocator never reuses their inputs too early). Streams and events are made once; switching
-streams goes through torch's raw setter (``torch.cuda.stream`` costs microseconds per use).
-Without a GPU (the interpreter tests) the jobs simply run, in order, when forked.
+one copy streams at close to the link's speed (docs/findings.md). Copies on one stream run one
+after another, so each peer gets a stream of its own. ``fork`` starts the jobs after the work
+already queued on the current stream (or after an earlier point of it, taken with ``mark``); the
+caller then queues its kernels, which run beside the jobs, and ``join`` makes the current stream
+wait for the jobs (so that the caching allocator never reuses their inputs too early). Streams
+and events are made once; switching streams goes through torch's raw setter
+(``torch.cuda.stream`` costs microseconds per use). Without a GPU (the interpreter tests) the
+jobs simply run, in order, when forked.
 """
 
 from __future__ import annotations

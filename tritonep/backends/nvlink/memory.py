@@ -25,7 +25,7 @@ from tritonep.core.rank_agreement import on_every_rank
 from tritonep.core.routing import round_up
 from tritonep.rank_pool import SHARED_GPUS_VARIABLE
 
-MAX_CHANNELS = 160            # sender programs per launch (> SMs of an H100/H200)
+MAX_CHANNELS = 160            # sender programs per launch (more than a Hopper GPU has SMs)
 MAX_LOCAL_EXPERTS = 1024
 SIGNATURE_WORDS = 8           # (hidden words, scale words, top-k, experts, invalid ids, 0, 0, 0)
 
