@@ -3,18 +3,20 @@
     python -m benchmarks [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
                          [--num-sms 24] [--iters 50] [--rounds 2] [--out DIR] [--sweep] [--vs-deepep]
                          [--ll-tokens T] [--ll-experts E] [--skip-normal] [--skip-low-latency]
-                         [--cpu | --gpu]
+                         [--cpu | --gpu] [--profile]
 
-On GPUs one rank per GPU (NCCL), on the same routing:
+Modes, one per run:
 
-* normal mode (``normal.py``): tritonep's NVLink backend at ``--num-sms`` programs, the
-  all_to_all_single path (tritonep's collective backend on NCCL, and the bare
-  ``all_to_all_single`` of already-permuted rows), DeepEP V1 with ``--vs-deepep`` when
-  ``import deep_ep`` gives DeepEP itself; the link ceiling (``ceiling.py``); with ``--sweep`` a
-  num_sms curve (DeepEP's too) and kernel shapes;
-* low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths.
-
-It prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``.
+* the benchmark (default), on GPUs one rank per GPU (NCCL), on the same routing:
+  - normal mode (``normal.py``): tritonep's NVLink backend at ``--num-sms`` programs, the
+    all_to_all_single path (tritonep's collective backend on NCCL, and the bare
+    ``all_to_all_single`` of already-permuted rows), DeepEP V1 with ``--vs-deepep`` when
+    ``import deep_ep`` gives DeepEP itself; the link ceiling (``ceiling.py``); with ``--sweep``
+    a num_sms curve (DeepEP's too) and kernel shapes;
+  - low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths;
+  it prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``;
+* ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank;
+  writes ``profile.json``.
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). ``timing.py`` says how calls are
@@ -30,7 +32,7 @@ import os
 
 import torch
 
-from . import low_latency, normal, report
+from . import kernel_profile, low_latency, normal, report
 from .internals import RankPool
 
 
@@ -55,11 +57,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
     parser.add_argument("--gpu", action="store_true",
                         help="GPU ranks on a machine with one GPU, where the benchmark's default is CPU ranks")
+    parser.add_argument("--profile", action="store_true", help="normal-mode kernel and copy times (torch.profiler)")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu else torch.cuda.device_count()
-    # The benchmark compares ranks over NVLink, so one GPU gives CPU ranks unless --gpu.
-    args.use_gpu = gpus >= 2 or (gpus == 1 and args.gpu)
+    # The benchmark compares ranks over NVLink, so one GPU gives CPU ranks unless --gpu; the
+    # profile is about one GPU's kernels too, and uses it.
+    args.use_gpu = gpus >= 2 or (gpus == 1 and (args.gpu or args.profile))
     if args.ranks is None:
         args.ranks = gpus if args.use_gpu else 4
     if args.use_gpu:
@@ -82,6 +86,11 @@ def _write(args: argparse.Namespace, name: str, result: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     with RankPool(args.ranks, use_gpu=args.use_gpu, timeout=1200) as pool:
+        if args.profile:
+            reports = pool.run(kernel_profile.run_rank, args)
+            kernel_profile.print_reports(reports)
+            _write(args, "profile.json", reports)
+            return
         result = {} if args.skip_normal else pool.run(normal.run_rank, args)[0]
         if not args.skip_low_latency:
             backends = ["nvlink", "collective"] if args.use_gpu else ["collective"]
