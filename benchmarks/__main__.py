@@ -3,7 +3,7 @@
     python -m benchmarks [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
                          [--num-sms 24] [--iters 50] [--rounds 2] [--out DIR] [--sweep] [--vs-deepep]
                          [--ll-tokens T] [--ll-experts E] [--skip-normal] [--skip-low-latency]
-                         [--cpu | --gpu] [--profile]
+                         [--cpu | --gpu] [--profile | --baseline DIR]
 
 Modes, one per run:
 
@@ -16,7 +16,9 @@ Modes, one per run:
   - low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths;
   it prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``;
 * ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank;
-  writes ``profile.json``.
+  writes ``profile.json``;
+* ``--baseline DIR`` (at ``--ranks 1``): the package at DIR against this checkout, one rank, each
+  in a process of its own (``ab.py``); writes ``ab.json``.
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). ``timing.py`` says how calls are
@@ -32,13 +34,13 @@ import os
 
 import torch
 
-from . import kernel_profile, low_latency, normal, report
+from . import ab, kernel_profile, low_latency, normal, report
 from .internals import RankPool
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, help="ranks (default: one per GPU, or 4 CPU ranks)")
+    parser.add_argument("--ranks", type=int, help="ranks (default: one per GPU; 4 CPU ranks; 1 for --baseline)")
     parser.add_argument("--tokens", type=int, help="tokens per rank (default 4096 on GPUs, 256 on CPUs)")
     parser.add_argument("--hidden", type=int, help="default 7168 on GPUs, 512 on CPUs")
     parser.add_argument("--experts", type=int, default=256)
@@ -46,7 +48,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--iters", type=int, default=50, help="timed calls per figure")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds of the main figures on GPUs (tritonep and DeepEP in turn): medians and spread")
+                        help="rounds of the main figures on GPUs (tritonep and DeepEP in turn; for --baseline, "
+                             "the two packages in turn): medians and spread")
     parser.add_argument("--sweep", action="store_true", help=f"num_sms curve {normal.SWEEP_SMS} and kernel shapes")
     parser.add_argument("--vs-deepep", action="store_true",
                         help="also DeepEP V1 (import deep_ep) on the same inputs, when it imports")
@@ -57,17 +60,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
     parser.add_argument("--gpu", action="store_true",
                         help="GPU ranks on a machine with one GPU, where the benchmark's default is CPU ranks")
-    parser.add_argument("--profile", action="store_true", help="normal-mode kernel and copy times (torch.profiler)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--profile", action="store_true", help="normal-mode kernel and copy times (torch.profiler)")
+    mode.add_argument("--baseline", metavar="DIR", help="one-rank A/B: the tritonep package at DIR against this one")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu else torch.cuda.device_count()
     # The benchmark compares ranks over NVLink, so one GPU gives CPU ranks unless --gpu; the
-    # profile is about one GPU's kernels too, and uses it.
-    args.use_gpu = gpus >= 2 or (gpus == 1 and (args.gpu or args.profile))
+    # profile and the A/B are about one GPU's kernels and host path, and use it.
+    args.use_gpu = gpus >= 2 or (gpus == 1 and (args.gpu or args.profile or args.baseline is not None))
     if args.ranks is None:
-        args.ranks = gpus if args.use_gpu else 4
+        args.ranks = 1 if args.baseline is not None else gpus if args.use_gpu else 4
     if args.use_gpu:
         args.ranks = min(args.ranks, gpus)
+    if args.baseline is not None and args.ranks != 1:
+        parser.error("--baseline runs at one rank: --ranks 1")
     for name, on_gpus, on_cpus in (("tokens", 4096, 256), ("hidden", 7168, 512), ("ll_tokens", 128, 16),
                                    ("ll_experts", 288, 16)):
         if getattr(args, name) is None:
@@ -85,6 +92,11 @@ def _write(args: argparse.Namespace, name: str, result: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.baseline is not None:
+        result = ab.run(args, args.use_gpu)
+        ab.print_table(result)
+        _write(args, "ab.json", result)
+        return
     with RankPool(args.ranks, use_gpu=args.use_gpu, timeout=1200) as pool:
         if args.profile:
             reports = pool.run(kernel_profile.run_rank, args)
