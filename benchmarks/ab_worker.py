@@ -1,0 +1,126 @@
+"""One package's side of the one-rank A/B (``ab.py``), in a process of its own.
+
+    python -m benchmarks.ab_worker --package DIR --json PATH [shape options]
+
+It imports tritonep from ``DIR`` (the folder that holds ``tritonep/``), makes a one-rank
+process group itself (NCCL on GPU 0, gloo with ``--cpu``) and measures each call through
+tritonep's public API only (``Buffer``, ``Config``, ``Buffer.get_low_latency_rdma_size_hint``,
+``utils``), so that any version of the package can be measured: GPU time (``timing.median_us``:
+one call at a time, L2 flushed, median) and host CPU time per call (back to back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import inputs, timing
+
+
+def import_tritonep(package: str) -> object:
+    """tritonep from ``package`` (the folder holding ``tritonep/``), whatever else is on sys.path."""
+    sys.path.insert(0, package)
+    import tritonep
+
+    found = os.path.dirname(os.path.dirname(os.path.realpath(tritonep.__file__)))
+    if found != os.path.realpath(package):
+        raise RuntimeError(f"tritonep came from {found}, not from {package}")
+    return tritonep
+
+
+def one_rank_group(gpu: bool) -> dist.ProcessGroup:
+    """A one-rank process group made in this process: NCCL on GPU 0, or gloo."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    device = {"device_id": torch.device("cuda", 0)} if gpu else {}
+    if gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            **device)
+    return dist.group.WORLD
+
+
+def calls(tritonep: object, group: dist.ProcessGroup, args: argparse.Namespace,
+          device: torch.device) -> tuple[dict[str, Callable[[], object]], list]:
+    """The calls the A/B times, by row name, and the Buffers they use (to destroy)."""
+    N, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    T, E_LL = args.ll_tokens, args.ll_experts
+    x, topk_idx, topk_weights = inputs.routing(N, H, E, K, 0, device)
+    normal = tritonep.Buffer(group, inputs.nvl_bytes(N, H, 1), explicitly_destroy=True)
+    config = tritonep.Config(args.num_sms)
+    per_rank, _, per_expert, in_rank, _ = normal.get_dispatch_layout(topk_idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+    def fresh() -> object:
+        return normal.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout)
+
+    recv_x, _, _, _, handle, _ = fresh()
+    x_fp8 = tritonep.utils.per_token_cast_to_fp8(x)
+    decode = tritonep.Buffer(group, 0, tritonep.Buffer.get_low_latency_rdma_size_hint(T, H, 1, E_LL),
+                             low_latency_mode=True, explicitly_destroy=True)
+    x_ll, idx_ll, weights_ll = inputs.decode_batch(T, H, E_LL, K, 0, device)
+    packed, _, ll_handle, _, _ = decode.low_latency_dispatch(x_ll, idx_ll, T, E_LL)
+    expert_out = inputs.expert_output(packed[0].shape, 0, device)
+    table = {
+        "layout": lambda: normal.get_dispatch_layout(topk_idx, E),
+        "fresh dispatch": fresh,
+        "cached dispatch bf16": lambda: normal.dispatch(x, handle=handle, config=config),
+        "cached dispatch fp8": lambda: normal.dispatch(x_fp8, handle=handle, config=config),
+        "combine": lambda: normal.combine(recv_x, handle, config=config),
+        "low-latency dispatch": lambda: decode.low_latency_dispatch(x_ll, idx_ll, T, E_LL),
+        "low-latency dispatch, hook": lambda: decode.low_latency_dispatch(x_ll, idx_ll, T, E_LL,
+                                                                           return_recv_hook=True)[4](),
+        "low-latency combine": lambda: decode.low_latency_combine(expert_out, idx_ll, weights_ll, ll_handle),
+        "low-latency combine, hook": lambda: decode.low_latency_combine(expert_out, idx_ll, weights_ll, ll_handle,
+                                                                         return_recv_hook=True)[2](),
+    }
+    return table, [normal, decode]
+
+
+def measure(package: str, args: argparse.Namespace) -> dict:
+    tritonep = import_tritonep(package)
+    gpu = torch.cuda.is_available() and not args.cpu
+    group = one_rank_group(gpu)
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    table, buffers = calls(tritonep, group, args, device)
+    yardstick = torch.zeros(16, device=device)
+    report: dict = {"package": os.path.realpath(package), "tritonep": tritonep.__file__,
+                    "device": torch.cuda.get_device_name() if gpu else "cpu",
+                    "torch add_ (host yardstick)": timing.back_to_back_host_us(lambda: yardstick.add_(1)), "rows": {}}
+    for name, fn in table.items():
+        report["rows"][name] = {"gpu_us": timing.median_us(group, fn, args.iters),
+                                "host_us": timing.back_to_back_host_us(fn)}
+    for buffer in buffers:
+        buffer.destroy()
+    dist.destroy_process_group()
+    return report
+
+
+def parser() -> argparse.ArgumentParser:
+    """The worker's options; ``ab.py`` passes the bench's values on."""
+    options = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    options.add_argument("--package", required=True)
+    options.add_argument("--json", required=True)
+    options.add_argument("--cpu", action="store_true")
+    for name in ("tokens", "hidden", "experts", "topk", "num-sms", "ll-tokens", "ll-experts", "iters"):
+        options.add_argument(f"--{name}", type=int, required=True)
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    report = measure(args.package, args)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Low-latency mode (decode): DeepEP's problem (128 tokens per rank, hidden 7168, top-8 of 288
+experts, fp8 dispatch, bf16 combine) for tritonep's NVLink kernels, DeepEP V1 (``--vs-deepep``)
+and the collective backend on NCCL (the all_to_all_single path), on the same inputs.
+
+Per path, GPU time first (``timing`` says how each is taken):
+
+* ``graph``: per-call time of calls replayed from one CUDA graph (not for the all_to_all_single
+  path: NCCL calls do not capture here);
+* ``profiled``: torch.profiler's device time per call, every kernel the call runs;
+* ``pair``: dispatch and combine issued back to back, many pairs, total / pairs, as DeepEP's own
+  harness times them;
+* ``call``: one call on its own, its host path enqueued while the stream sleeps;
+* ``send`` / ``recv``: the two halves of a call with ``return_recv_hook=True`` (recv: the hook);
+
+then the host's CPU time per call, from an idle GPU and back to back, beside a torch ``add_``
+timed the same way as a yardstick of the host's speed. "GB/s": the bytes every rank receives
+(fp8 rows with their scales for dispatch, bf16 rows for combine, per (token, expert) pair) over
+the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+
+import tritonep
+
+from . import inputs, timing
+from .deepep import deepep_buffer, guarded
+from .normal import make_buffer
+
+CALLS = ("dispatch", "combine")
+
+
+def measure(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
+            topk_idx: torch.Tensor, weights: torch.Tensor, graphs: bool) -> dict:
+    """``buffer``: a tritonep or DeepEP Buffer in low-latency mode (the same API)."""
+    T, E, iters = args.ll_tokens, args.ll_experts, args.iters
+    packed, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+    expert_out = inputs.expert_output(packed[0].shape, group.rank(), x.device)
+    pending: list = []
+
+    def dispatch() -> object:
+        return buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+
+    def combine() -> object:
+        return buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
+
+    def pair() -> object:
+        pair_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)[2]
+        return buffer.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
+
+    def dispatch_send() -> None:
+        pending.append(buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True, return_recv_hook=True)[4])
+
+    def combine_send() -> None:
+        pending.append(buffer.low_latency_combine(expert_out, topk_idx, weights, handle, return_recv_hook=True)[2])
+
+    def run_hook() -> None:
+        pending.pop(0)()
+
+    calls = {"dispatch": dispatch, "combine": combine}
+    for _ in range(3):   # compiled and on their repeat paths before any capture or timing
+        for call in (dispatch, combine, pair):
+            call()
+    result: dict = {}
+    if graphs:
+        for name, call in calls.items():
+            result[f"{name}_graph_us"] = timing.graph_us(group, call, iters)
+    for name, call in calls.items():
+        try:
+            result[f"{name}_profiled_us"] = timing.profiled_gpu_us(group, call, iters)
+        except Exception as error:  # noqa: BLE001 - a profiler problem must not cost the run
+            result[f"{name}_profiled_error"] = f"{type(error).__name__}: {error}"
+    result["pair_us"] = timing.back_to_back_us(group, pair, iters)
+    for name, call in calls.items():
+        result[f"{name}_us"] = timing.median_us(group, call, iters)
+    for name, send in (("dispatch", dispatch_send), ("combine", combine_send)):
+        sends, hooks = timing.call_times_us(group, [send, run_hook], iters)
+        result[f"{name}_send_us"] = timing.slowest(group, statistics.median(sends))
+        result[f"{name}_recv_us"] = timing.slowest(group, statistics.median(hooks))
+    for name, call in calls.items():
+        result[f"{name}_host_us"] = timing.idle_host_us(group, call, iters)
+        result[f"{name}_host_back_to_back_us"] = timing.slowest(group, timing.back_to_back_host_us(call))
+    return result
+
+
+def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[str]) -> dict:
+    """Each of ``backends`` ("nvlink", "collective"), and DeepEP with ``--vs-deepep``, on the same inputs."""
+    rank, num_ranks = group.rank(), group.size()
+    gpu = timing.on_gpu(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    T, E, K, H = args.ll_tokens, args.ll_experts, args.topk, args.hidden
+    x, topk_idx, weights = inputs.decode_batch(T, H, E, K, rank, device)
+    pairs = torch.tensor([topk_idx.numel()], dtype=torch.float64, device=device)
+    dist.all_reduce(pairs, group=group)   # pairs sent by all ranks = pairs received by all ranks
+    received_pairs = float(pairs) / num_ranks
+    report = {"ranks": num_ranks, "tokens": T, "hidden": H, "experts": E, "topk": K,
+              "dispatch_bytes": received_pairs * (H + H // 128 * 4), "combine_bytes": received_pairs * H * 2}
+    yardstick = torch.zeros(16, dtype=torch.float32, device=device)
+    report["torch_add_host_back_to_back_us"] = timing.slowest(
+        group, timing.back_to_back_host_us(lambda: yardstick.add_(1)))
+    size = tritonep.Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E)
+    for backend in backends:
+        buffer = make_buffer(group, backend, num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
+        report[backend] = measure(group, buffer, args, x, topk_idx, weights, graphs=gpu and backend == "nvlink")
+        buffer.destroy()
+    if args.vs_deepep:
+        report["deepep"] = _deepep(group, args, x, topk_idx, weights, gpu)
+    return report
+
+
+def _deepep(group: dist.ProcessGroup, args: argparse.Namespace, x: torch.Tensor, topk_idx: torch.Tensor,
+            weights: torch.Tensor, gpu: bool) -> dict:
+    """DeepEP V1's low-latency calls on the same inputs, or why not."""
+    deepep = deepep_buffer(group, gpu, low_latency_shape=(args.ll_tokens, args.hidden, group.size(), args.ll_experts))
+    if isinstance(deepep, dict):
+        return deepep
+    buffer = deepep[1]
+
+    def measure_then_destroy() -> dict:
+        try:
+            return measure(group, buffer, args, x, topk_idx, weights, graphs=True)
+        finally:
+            buffer.destroy()
+    return guarded(measure_then_destroy)

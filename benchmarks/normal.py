@@ -1,0 +1,212 @@
+"""Normal mode (training and prefill): tritonep's NVLink backend, the all_to_all_single path
+and DeepEP V1 on the same routing, with the same timing.
+
+Per Buffer: layout, dispatch with its count exchange, cached dispatch in bf16 and fp8, combine,
+each timed on its own (``timing.median_us``) and, on GPUs, back to back; the host's CPU time per
+call; the count exchange's cost as the median over interleaved pairs of (fresh - cached). The
+main figures are taken in ``--rounds`` rounds, tritonep and DeepEP in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import tritonep
+
+from . import ceiling, inputs, timing
+from .deepep import deepep_buffer, guarded
+from .internals import changed_tuning
+
+SWEEP_SMS = (4, 8, 16, 24, 32, 64)
+
+
+def make_buffer(group: dist.ProcessGroup, backend: str, **kwargs: object) -> tritonep.Buffer:
+    """A tritonep Buffer of the ``backend`` asked for ("nvlink", or "collective": the
+    all_to_all_single path), chosen the documented way (``TRITONEP_BACKEND``)."""
+    os.environ["TRITONEP_BACKEND"] = backend
+    try:
+        return tritonep.Buffer(group, **kwargs)
+    finally:
+        os.environ.pop("TRITONEP_BACKEND")
+
+
+def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
+                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_sms: int, fp8: bool = True,
+                   module: object = tritonep, only_combine: bool = False) -> dict:
+    """Times of one Buffer's calls and the bytes they receive. ``module`` is the package the
+    Buffer comes from (tritonep, or DeepEP's deep_ep): both size their configs the same way.
+    ``fp8=False`` leaves out the rows only the main measurement needs."""
+    module.Buffer.set_num_sms(num_sms)
+    config = module.Buffer.get_dispatch_config(group.size())
+    combine_config = module.Buffer.get_combine_config(group.size())
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config,
+                                                 **layout)
+    iters = args.iters
+
+    def layout_call() -> object:
+        return buffer.get_dispatch_layout(topk_idx, args.experts)
+
+    def fresh() -> object:
+        return buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout)
+
+    def cached() -> object:
+        return buffer.dispatch(x, handle=handle, config=config)
+
+    def combine() -> object:
+        return buffer.combine(recv_x, handle, config=combine_config)
+
+    if only_combine:
+        return {"combine_us": timing.median_us(group, combine, iters)}
+    result = {
+        "recv_rows": recv_x.shape[0],
+        "layout_us": timing.median_us(group, layout_call, iters),
+        "dispatch_us": timing.median_us(group, fresh, iters),
+        "cached_dispatch_us": timing.median_us(group, cached, iters),
+        "combine_us": timing.median_us(group, combine, iters),
+    }
+    if x.is_cuda:
+        result["host_us"] = {name: timing.back_to_back_host_us(fn, calls=10, rounds=7) for name, fn in
+                             (("layout", layout_call), ("cached_dispatch", cached), ("combine", combine))}
+        result["layout_pipelined_us"] = timing.back_to_back_us(group, layout_call, iters)
+        result["cached_dispatch_pipelined_us"] = timing.back_to_back_us(group, cached, iters)
+        result["combine_pipelined_us"] = timing.back_to_back_us(group, combine, iters)
+    if fp8:
+        # The end event is recorded after the host has the counts and did its work after them,
+        # so this row is the count exchange plus whatever of that host work outlasts the
+        # receive kernel (docs/findings.md).
+        result["fresh_minus_cached_dispatch_us"] = timing.extra_us(group, fresh, cached, iters)
+        x_fp8 = tritonep.utils.per_token_cast_to_fp8(x)
+        result["cached_dispatch_fp8_us"] = timing.median_us(
+            group, lambda: buffer.dispatch(x_fp8, handle=handle, config=config), iters)
+    recv = torch.tensor([recv_x.numel() * 2], dtype=torch.float64, device=x.device)
+    dist.all_reduce(recv, op=dist.ReduceOp.MIN, group=group)
+    result["recv_bytes"] = float(recv)
+    return result
+
+
+def bare_all_to_all_us(group: dist.ProcessGroup, args: argparse.Namespace, x: torch.Tensor,
+                       in_rank: torch.Tensor) -> float:
+    """all_to_all_single of rows already grouped by destination (the transfer alone)."""
+    counts = in_rank.sum(0).tolist()
+    send = x[in_rank.t().nonzero()[:, 1]]
+    all_counts = torch.empty(len(counts), dtype=torch.int64, device=x.device)
+    dist.all_to_all_single(all_counts, torch.tensor(counts, dtype=torch.int64, device=x.device), group=group)
+    recv = torch.empty(int(all_counts.sum()), x.shape[1], dtype=x.dtype, device=x.device)
+    return timing.median_us(
+        group, lambda: dist.all_to_all_single(recv, send, all_counts.tolist(), counts, group=group), args.iters)
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One report from several rounds of ``measure_buffer``: each figure the median over the
+    rounds; with 2+ rounds also ``rounds`` (each round's figures) and ``round_spread`` (per GPU
+    time figure, slowest / fastest round - 1; the host times are left out)."""
+    if len(rounds) == 1:
+        return dict(rounds[0])
+
+    def median(values: list) -> object:   # numbers, or dicts of numbers (host_us) key by key
+        if isinstance(values[0], dict):
+            return {key: statistics.median(v[key] for v in values) for key in values[0]}
+        return statistics.median(values)
+
+    result = {key: median([m[key] for m in rounds]) for key in rounds[0]}
+    result["recv_rows"], result["recv_bytes"] = rounds[0]["recv_rows"], rounds[0]["recv_bytes"]
+    result["rounds"] = rounds
+    timed = [key for key in rounds[0] if key.endswith("_us") and isinstance(rounds[0][key], float | int)]
+    result["round_spread"] = {key: max(m[key] for m in rounds) / min(m[key] for m in rounds) - 1
+                              for key in timed if min(m[key] for m in rounds) > 0}
+    return result
+
+
+def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argparse.Namespace,
+                x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> list[dict]:
+    """Kernel shapes around the defaults, one field changed at a time, at ``--num-sms``."""
+    # block: the row-moving chunk; combine_pieces: 1 and 2 per peer at any rank count;
+    # sender_fraction below 1/2: at EP2 the receivers copy about twice the rows the senders push.
+    variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=1024), dict(block=4096),
+                dict(combine_pieces=1), dict(combine_pieces=2),
+                dict(tokens=1), dict(tokens=2), dict(tokens=8), dict(combine_block=1024), dict(combine_block=4096),
+                dict(sender_fraction=1 / 3), dict(sender_fraction=0.4),
+                dict(sender_fraction=0.5, combine_sender_fraction=0.25),
+                dict(sender_fraction=0.75, combine_sender_fraction=0.5)]
+    results = []
+    for change in variants:
+        with changed_tuning(buffer, **change) as fields:
+            measured = measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False)
+        results.append({"change": change or "defaults", **fields, **measured})
+    return results
+
+
+def _rounds(paths: dict[str, Callable[[], dict]], count: int) -> dict:
+    """Each path's figures over ``count`` rounds, the paths measured in turn within a round."""
+    measured: dict[str, list[dict]] = {name: [] for name in paths}
+    for _ in range(count):
+        for name, measure in paths.items():
+            measured[name].append(measure())
+    report = {}
+    for name, rounds in measured.items():
+        failed = [m for m in rounds if "error" in m]
+        report[name] = failed[0] if failed else combine_rounds(rounds)
+    return report
+
+
+def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
+    """The normal-mode report (rank 0's copy is printed and saved)."""
+    rank, num_ranks = group.rank(), group.size()
+    gpu = timing.on_gpu(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    x, topk_idx, topk_weights = inputs.routing(args.tokens, args.hidden, args.experts, args.topk, rank, device)
+    nvl_bytes = inputs.nvl_bytes(args.tokens, args.hidden, num_ranks)
+    report: dict = {"ranks": num_ranks, "tokens": args.tokens, "hidden": args.hidden, "experts": args.experts,
+                    "topk": args.topk, "num_sms": args.num_sms,
+                    "device": torch.cuda.get_device_name() if gpu else "cpu",
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    collective = make_buffer(group, "collective")
+    report["all_to_all_path"] = measure_buffer(group, collective, args, x, topk_idx, topk_weights, args.num_sms,
+                                               fp8=False)
+    in_rank = collective.get_dispatch_layout(topk_idx, args.experts)[3]
+    report["bare_all_to_all_us"] = bare_all_to_all_us(group, args, x, in_rank)
+    ours = make_buffer(group, "nvlink", num_nvl_bytes=nvl_bytes) if gpu else None
+    deepep = deepep_buffer(group, gpu, num_nvl_bytes=nvl_bytes) if args.vs_deepep else None
+    paths: dict[str, Callable[[], dict]] = {}
+    if ours is not None:
+        paths["tritonep"] = lambda: measure_buffer(group, ours, args, x, topk_idx, topk_weights, args.num_sms)
+    if isinstance(deepep, tuple):
+        module, theirs = deepep
+        paths["deepep"] = lambda: guarded(lambda: measure_buffer(group, theirs, args, x, topk_idx, topk_weights,
+                                                                 args.num_sms, module=module))
+    # Rounds, tritonep and DeepEP in turn: the rounds' spread shows whether the run is a result.
+    report.update(_rounds(paths, args.rounds if gpu else 1))
+    if isinstance(deepep, dict):
+        report["deepep"] = deepep
+    if ours is not None:
+        with changed_tuning(ours, copy_engine_combine=False):
+            report["tritonep"]["combine_sm_only_us"] = measure_buffer(
+                group, ours, args, x, topk_idx, topk_weights, args.num_sms, fp8=False, only_combine=True)["combine_us"]
+        remote_rows = int(in_rank.sum()) - int(in_rank[:, rank].sum())
+        report["remote_bytes"] = remote_rows * args.hidden * 2
+        report["link_ceiling"] = ceiling.measure(group, report["remote_bytes"], args.iters)
+        if args.sweep:
+            report["num_sms_curve"] = {
+                n: measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False) for n in SWEEP_SMS}
+            report["shape_sweep"] = shape_sweep(group, ours, args, x, topk_idx, topk_weights)
+    if isinstance(deepep, tuple):
+        module, theirs = deepep
+        if args.sweep and "error" not in report["deepep"]:
+            report["deepep"]["num_sms_curve"] = {n: guarded(lambda n=n: measure_buffer(
+                group, theirs, args, x, topk_idx, topk_weights, n, fp8=False, module=module)) for n in SWEEP_SMS}
+        try:
+            theirs.destroy()
+        except Exception as error:  # noqa: BLE001 - e.g. its runtime refusing this rank count
+            report["deepep"].setdefault("error", f"destroy: {type(error).__name__}: {error}")
+        module.Buffer.set_num_sms(args.num_sms)
+    tritonep.Buffer.set_num_sms(args.num_sms)
+    return report

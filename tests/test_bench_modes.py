@@ -1,0 +1,64 @@
+"""The benchmark's other modes on CPUs: ``--profile`` on gloo ranks, and the one-rank A/B against
+a package as of commit bb06a2c (each package in a process of its own, public API only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from benchmarks import ab
+from benchmarks.__main__ import main
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+BASELINE_COMMIT = "bb06a2c"
+
+
+def test_profile_mode_on_cpu_ranks(tmp_path) -> None:
+    main(["--cpu", "--ranks", "2", "--profile", "--tokens", "16", "--hidden", "256", "--out", str(tmp_path)])
+    reports = json.loads((tmp_path / "profile.json").read_text())
+    assert [r["rank"] for r in reports] == [0, 1]
+    for kind in ("layout", "fresh_dispatch", "cached_dispatch", "combine_copy_engine"):
+        assert reports[0][kind]["wall_us_per_call"] > 0 and reports[0][kind]["device_us_per_call"], kind
+
+
+@pytest.fixture(scope="module")
+def baseline_package(tmp_path_factory) -> str:
+    """tritonep as of ``BASELINE_COMMIT``, unpacked from this repository's history."""
+    folder = tmp_path_factory.mktemp("baseline")
+    archive = subprocess.run(["git", "-C", CHECKOUT, "archive", BASELINE_COMMIT, "tritonep"], capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"no commit {BASELINE_COMMIT} in this checkout's history: {archive.stderr.decode()[:200]}")
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return str(folder)
+
+
+def test_one_rank_ab_against_an_older_package(baseline_package, tmp_path, capsys) -> None:
+    main(["--cpu", "--ranks", "1", "--baseline", baseline_package, "--tokens", "16", "--hidden", "256",
+          "--ll-tokens", "8", "--ll-experts", "8", "--iters", "2", "--rounds", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "ab.json").read_text())
+    assert result["baseline"]["tritonep"].startswith(os.path.realpath(baseline_package))
+    assert result["new"]["tritonep"].startswith(CHECKOUT)
+    rows = result["new"]["rows"]
+    assert set(rows) == set(result["baseline"]["rows"]) == {
+        "layout", "fresh dispatch", "cached dispatch bf16", "cached dispatch fp8", "combine", "low-latency dispatch",
+        "low-latency dispatch, hook", "low-latency combine", "low-latency combine, hook"}
+    assert all(figure > 0 for figures in rows.values() for figure in figures.values())
+    assert len(result["ratios"]) == 2 * len(rows)
+    assert "row(s) worse by more than 5%" in capsys.readouterr().out
+
+
+def test_ab_flags_rows_more_than_five_percent_slower(capsys) -> None:
+    def reports(layout_us: float, combine_us: float) -> list[dict]:
+        rows = {"layout": {"gpu_us": layout_us, "host_us": 10.0}, "combine": {"gpu_us": combine_us, "host_us": 10.0}}
+        return [{"package": "p", "tritonep": "p/tritonep/__init__.py", "device": "GPU", "rows": rows,
+                 "torch add_ (host yardstick)": 7.0}]
+
+    result = ab.compare({"baseline": reports(100.0, 100.0), "new": reports(104.0, 106.0)})
+    assert result["worse"] == ["combine, gpu_us"]
+    assert abs(result["ratios"]["layout, gpu_us"] - 1.04) < 1e-12
+    ab.print_table(result)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines if "WORSE" in line] == ["combine"]
