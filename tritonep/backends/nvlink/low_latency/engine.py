@@ -44,7 +44,12 @@ from tritonep.backends.nvlink.low_latency.clean_kernel import low_latency_clean_
 from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_combine_kernel
 from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel
 from tritonep.backends.nvlink.low_latency.regions import CONTROL_BYTES, MAX_EXPERTS, MAX_RANKS, LowLatencyRegions
-from tritonep.backends.nvlink.low_latency.replay import LowLatencyCombineReplay, LowLatencyDispatchReplay, LowLatencyState, aligned
+from tritonep.backends.nvlink.low_latency.replay import (
+    LowLatencyCombineReplay,
+    LowLatencyDispatchReplay,
+    LowLatencyState,
+    aligned,
+)
 from tritonep.backends.nvlink.memory import SymmetricBuffer
 from tritonep.core import fp8
 from tritonep.core.checks import InputError
