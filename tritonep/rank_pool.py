@@ -1,4 +1,4 @@
-"""Run a function on R ranks of a local process group: the demo, the benchmark and the tests.
+"""Run a function on R ranks of a local process group: the examples, the benchmark and the tests.
 
 ``RankPool(R)`` starts R processes once (gloo on CPU ranks, or NCCL with one GPU each) and
 then runs any number of picklable functions on all of them, returning each rank's result.
