@@ -1,14 +1,15 @@
-"""The low-latency fast path (tritonep/backends/nvlink/low_latency_fast.py) launches exactly what
-the general path launches, and returns the same results.
+"""The low-latency replays (tritonep/backends/nvlink/low_latency/replay.py) launch exactly what
+the general path launches, and return the same results.
 
 Under Triton's interpreter the NVLink engine makes no compiled launches, so nothing would be
 learnt. Here the launches are recorded instead of run: the kernels are replaced by a stand-in
 that compiles nothing, and each compiled launch snapshots its raw argument list when called.
 Every call of a sequence then runs twice from the same host state (call counters, pending
-hooks, zero-copy buffer): through the fast path, then through the general path; the recorded
-launches (with their hooks' launches), the results and the state after must be equal. The
-kernels themselves are checked by the other low-latency tests, on the interpreter and the GPUs,
-where repeated calls take the fast path.
+hooks, zero-copy buffer: the engine's ``LowLatencyCalls``): with the Buffer's replay table as
+the calls so far left it, then with an empty one (the general path); the recorded launches
+(with their hooks' launches), the results and the state after must be equal. The kernels
+themselves are checked by the other low-latency tests, on the interpreter and the GPUs, where
+repeated calls are replayed.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ import gc
 import weakref
 from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep.backends.nvlink.low_latency.call_order import CallOrder, LowLatencyCalls
+from tritonep.core.checks import InputError
+from tritonep.core.replay import ReplayTable
 
 T, HIDDEN, NUM_EXPERTS, NUM_TOPK = 8, 512, 8, 3
 # Tokens per call: the first LEARNING_CALLS run the general path (both slots of both counts),
@@ -67,16 +72,16 @@ class NoKernel:
         return launch
 
 
-def _host_state(engine: object) -> tuple:
-    return (engine.dispatch_order.sent, dict(engine.dispatch_order.pending), engine.combine_order.sent,
-            dict(engine.combine_order.pending), engine.combine_buffer_index)
+def _host_state(calls: LowLatencyCalls) -> tuple:
+    return (calls.dispatch_order.sent, dict(calls.dispatch_order.pending), calls.combine_order.sent,
+            dict(calls.combine_order.pending), calls.combine_buffer_index)
 
 
-def _set_host_state(engine: object, state: tuple) -> None:
-    (engine.dispatch_order.sent, pending_dispatch, engine.combine_order.sent, pending_combine,
-     engine.combine_buffer_index) = state
-    engine.dispatch_order.pending = dict(pending_dispatch)
-    engine.combine_order.pending = dict(pending_combine)
+def _set_host_state(calls: LowLatencyCalls, state: tuple) -> None:
+    (calls.dispatch_order.sent, pending_dispatch, calls.combine_order.sent, pending_combine,
+     calls.combine_buffer_index) = state
+    calls.dispatch_order.pending = dict(pending_dispatch)
+    calls.combine_order.pending = dict(pending_combine)
 
 
 def _summary(value: object) -> object:
@@ -96,30 +101,30 @@ def _summary(value: object) -> object:
     return value
 
 
-def _both_paths(engine: object, fast_paths: dict, call: callable) -> tuple[tuple, tuple, tuple]:
-    """``call`` (and its hook) run twice from the same host state: with ``fast_paths`` as the
-    calls so far left it, then with it emptied (the general path; what that run learns is
-    dropped). Returns (fast run, general run, the general run's result); a run is (launches,
-    result summary, host state after)."""
-    before = _host_state(engine)
+def _both_paths(buffer: deep_ep.Buffer, call: Callable[[], tuple]) -> tuple[tuple, tuple, tuple]:
+    """``call`` (and its hook) run twice from the same host state: with the Buffer's replay table
+    as the calls so far left it, then with an empty one (the general path; that table, with what
+    the run learnt, is dropped after). Returns (replayed run, general run, the general run's
+    result); a run is (launches, result summary, host state after)."""
+    calls = buffer.backend.low_latency.calls
+    before = _host_state(calls)
+    replays = buffer._low_latency_replays
     runs = []
-    for use_fast in (True, False):
-        _set_host_state(engine, before)
-        learnt = dict(fast_paths)
-        if not use_fast:
-            fast_paths.clear()
+    for replayed in (True, False):
+        _set_host_state(calls, before)
+        buffer._low_latency_replays = replays if replayed else ReplayTable()
         RecordedLaunch.log = []
-        result = call()
-        if result[-1] is not None:
-            result[-1]()
-        runs.append((list(RecordedLaunch.log), _summary(result), _host_state(engine)))
-        if not use_fast:
-            fast_paths.clear()
-            fast_paths.update(learnt)
+        try:
+            result = call()
+            if result[-1] is not None:
+                result[-1]()
+        finally:
+            buffer._low_latency_replays = replays
+        runs.append((list(RecordedLaunch.log), _summary(result), _host_state(calls)))
     return runs[0], runs[1], result
 
 
-def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, combine_options: dict,
+def _sequence(buffer: deep_ep.Buffer, dispatch_options: dict, combine_options: dict,
               generator: torch.Generator) -> list[str]:
     """Dispatch + combine rounds of one set of options: four that learn the two slots of two token
     counts (which share compiled launches), then six with each call through both paths."""
@@ -142,9 +147,10 @@ def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, co
             if result[-1] is not None:
                 result[-1]()
         else:
-            fast, general, result = _both_paths(engine, engine.fast_dispatch, dispatch)
-        if call_index >= LEARNING_CALLS and fast != general:
-            problems.append(f"dispatch {dispatch_options} call {call_index}: fast {fast} != general {general}")
+            replayed, general, result = _both_paths(buffer, dispatch)
+            if replayed != general:
+                problems.append(f"dispatch {dispatch_options} call {call_index}: replayed {replayed} != general "
+                                f"{general}")
         handle = result[2]   # received: _both_paths ran its hook
         expert_rows = torch.randn(NUM_EXPERTS // R, R * T, HIDDEN, generator=generator).to(torch.bfloat16)
         if combine_options.get("zero_copy"):
@@ -157,14 +163,14 @@ def _sequence(buffer: deep_ep.Buffer, engine: object, dispatch_options: dict, co
             if hook is not None:
                 hook()
             continue
-        fast, general, _ = _both_paths(engine, engine.fast_combine, combine)
-        if fast != general:
-            problems.append(f"combine {combine_options} call {call_index}: fast {fast} != general {general}")
+        replayed, general, _ = _both_paths(buffer, combine)
+        if replayed != general:
+            problems.append(f"combine {combine_options} call {call_index}: replayed {replayed} != general {general}")
     return problems
 
 
 def _hooks_keep_inputs(buffer: deep_ep.Buffer, generator: torch.Generator) -> list[str]:
-    """A fast call's receive hook keeps the call's tensors alive: the receive half reads some of
+    """A replayed call's receive hook keeps the call's tensors alive: the receive half reads some of
     them (a combine's top-k weights), and two micro-batches drop theirs before the hooks run.
     SEQUENCES[1] (bf16, hooks) has learnt both slots for 7 tokens."""
     R, problems = buffer.group_size, []
@@ -189,73 +195,71 @@ def _hooks_keep_inputs(buffer: deep_ep.Buffer, generator: torch.Generator) -> li
 
 
 @contextlib.contextmanager
-def launches_replaced(engine: object, setup: type) -> Iterator[None]:
-    """Inside, ``engine`` learns and repeats compiled launches as on a GPU, but each is a
-    ``setup`` (a stand-in for launcher._Setup: ``RecordedLaunch``, or one that does nothing) and
-    nothing is compiled or run. On exit the module state is restored and what was learnt is
-    dropped."""
-    from tritonep.backends.nvlink.low_latency import engine as low_latency
-    from tritonep.backends.nvlink.low_latency import replay as low_latency_fast
+def launches_replaced(buffer: deep_ep.Buffer, setup: type) -> Iterator[None]:
+    """Inside, ``buffer``'s low-latency engine learns and replays compiled launches as on a GPU,
+    but each is a ``setup`` (a stand-in for launcher._Setup: ``RecordedLaunch``, or one that does
+    nothing) and nothing is compiled or run. On exit the module state is restored and what was
+    learnt (the Buffer's replays, the launchers' setups) is dropped."""
+    from tritonep.backends.nvlink.low_latency import launch, replay
     from tritonep.runtime import launcher
 
-    saved = (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
-             launcher.current_stream, low_latency_fast.current_stream)
-    kernel_launchers = (engine._dispatch_launcher, engine._combine_launcher)
-    kernels = [kernel_launcher.kernel for kernel_launcher in kernel_launchers]
+    engine = buffer.backend.low_latency
+    saved = (launcher.INTERPRET, launch.INTERPRET, launch.resident_programs, launcher._Setup,
+             launcher.current_stream, replay.current_stream)
+    fast_launchers = (engine.dispatch_launcher.fast_launcher, engine.combine_launcher.fast_launcher)
+    kernels = [fast_launcher.kernel for fast_launcher in fast_launchers]
     try:
-        launcher.INTERPRET = low_latency.INTERPRET = False
-        low_latency.resident_programs = lambda kernel, args, constants, warps, device, wanted: wanted
+        launcher.INTERPRET = launch.INTERPRET = False
+        launch.resident_programs = lambda kernel, args, constants, warps, device, wanted: wanted
         launcher._Setup = setup
-        launcher.current_stream = low_latency_fast.current_stream = lambda: 7
-        for kernel_launcher in kernel_launchers:
-            kernel_launcher.kernel = NoKernel(kernel_launcher.kernel)
+        launcher.current_stream = replay.current_stream = lambda: 7
+        for fast_launcher in fast_launchers:
+            fast_launcher.kernel = NoKernel(fast_launcher.kernel)
         yield
     finally:
-        (launcher.INTERPRET, low_latency.INTERPRET, low_latency.resident_programs, launcher._Setup,
-         launcher.current_stream, low_latency_fast.current_stream) = saved
-        for kernel_launcher, kernel in zip(kernel_launchers, kernels):
-            kernel_launcher.kernel = kernel
-        engine.fast_dispatch.clear()
-        engine.fast_combine.clear()
+        (launcher.INTERPRET, launch.INTERPRET, launch.resident_programs, launcher._Setup,
+         launcher.current_stream, replay.current_stream) = saved
+        for fast_launcher, kernel in zip(fast_launchers, kernels):
+            fast_launcher.kernel = kernel
+            fast_launcher.setups.clear()
+        buffer._low_latency_replays.clear()
 
 
-def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
-    from nvlink_cases import make_buffer
-
-    from tritonep.backends.nvlink.low_latency.replay import LowLatencyCombineReplay, LowLatencyDispatchReplay
-
-    saved = (LowLatencyDispatchReplay.__call__, LowLatencyCombineReplay.__call__)
-    taken = {"dispatch": 0, "combine": 0}
-
-    def counted(kind: str, method: Callable) -> Callable:
-        def call(self: object, *args: object) -> object:
-            result = method(self, *args)
-            taken[kind] += result is not None
-            return result
-        return call
+def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
+    from nvlink_cases import count_replays, make_buffer
 
     size = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, group.size(), NUM_EXPERTS)
     buffer = make_buffer(group, "nvlink", num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
-    engine = buffer.backend.low_latency
     problems: list[str] = []
     try:
-        with launches_replaced(engine, RecordedLaunch):
-            LowLatencyDispatchReplay.__call__ = counted("dispatch", LowLatencyDispatchReplay.__call__)
-            LowLatencyCombineReplay.__call__ = counted("combine", LowLatencyCombineReplay.__call__)
+        with launches_replaced(buffer, RecordedLaunch), count_replays() as taken:
             generator = torch.Generator().manual_seed(group.rank())
             for dispatch_options, combine_options in SEQUENCES:
-                problems += _sequence(buffer, engine, dispatch_options, combine_options, generator)
+                problems += _sequence(buffer, dispatch_options, combine_options, generator)
             problems += _hooks_keep_inputs(buffer, generator)
     finally:
-        LowLatencyDispatchReplay.__call__, LowLatencyCombineReplay.__call__ = saved
         buffer.destroy()
-    # Every compared call takes the fast path.
+    # Every compared call is replayed: each of the dispatch's and the combine's replays can serve
+    # only these calls (a learning call finds its slot not learnt yet), so the total says both.
     expected = (len(TOKENS) - LEARNING_CALLS) * len(SEQUENCES) + 1   # + _hooks_keep_inputs's
-    if taken != {"dispatch": expected, "combine": expected}:
-        problems.append(f"fast path taken {taken}, expected {expected} times each")
+    if taken != {"cached_dispatch": 0, "combine": 0, "low_latency": 2 * expected}:
+        problems.append(f"replays served {taken}, expected {expected} dispatches and {expected} combines")
     return problems
 
 
-def test_fast_path_launches_what_the_general_path_launches(interpreter_pools) -> None:
-    problems = interpreter_pools(1).run(fast_path_matches_general_path)
+def test_replays_launch_what_the_general_path_launches(interpreter_pools) -> None:
+    problems = interpreter_pools(1).run(replays_match_general_path)
     assert problems == [[]]
+
+
+def test_call_order_alternates_slots_and_holds_those_awaiting_hooks() -> None:
+    """The host bookkeeping a replay inlines (``CallOrder.start``): slots alternate, a third call
+    awaiting its hook would reuse a held slot, and a hook runs once."""
+    order = CallOrder("low_latency_dispatch")
+    assert [order.start(with_hook=True) for _ in range(2)] == [(1, 0), (2, 1)]
+    with pytest.raises(InputError, match="call 1 still awaits its receive hook"):
+        order.start(with_hook=False)
+    order.finish(1, 0)
+    assert order.start(with_hook=False) == (3, 0) and order.pending == {1: 2}
+    with pytest.raises(InputError, match="already called"):
+        order.finish(1, 0)

@@ -196,8 +196,8 @@ def test_gpu_variants(gpu_pool, variant: str) -> None:
                                      dict(use_fp8=False, hook=True, zero_copy=True)],
                          ids=["plain", "hook", "zero_copy_out", "bf16_hook_zero_copy"])
 def test_gpu_repeated_calls(gpu_pool, options: dict) -> None:
-    """Six rounds of one call shape: from the third on, calls take the fast path
-    (backends/nvlink/low_latency_fast.py), with new tensors each round."""
+    """Six rounds of one call shape: from the third on, calls are replayed
+    (backends/nvlink/low_latency/replay.py), with new tensors each round."""
     R = gpu_pool.num_ranks
     _check(gpu_pool, LowLatencyCase(seed=90, tokens=_tokens(gpu_pool, 128, 96), T=128, hidden=7168,
                                     num_experts=_decode_experts(R), num_topk=8, calls=6, **options))

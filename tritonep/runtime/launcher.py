@@ -71,6 +71,21 @@ def resident_programs(kernel: Any, args: tuple, constants: dict[str, Any], num_w
     return min(wanted, properties.multi_processor_count * per_multiprocessor)
 
 
+def argument_positions(kernel: Any, *names: str) -> tuple[int, ...]:
+    """Where the arguments ``names`` are in ``kernel``'s raw argument lists (a replay writes its
+    call's values there)."""
+    return tuple(kernel.arg_names.index(name) for name in names)
+
+
+def aligned(*addresses: int) -> bool:
+    """Every address 16-byte aligned: what Triton specialises pointers on, so what a learnt
+    launch may assume of the tensors a replay writes into it."""
+    bits = 0
+    for address in addresses:
+        bits |= address
+    return not bits & 15
+
+
 def current_stream() -> int:
     """The raw handle of the current CUDA stream, without making a torch Stream object."""
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
@@ -124,7 +139,7 @@ class FastLauncher:
         for calls whose non-changing arguments, constants, grid and num_warps are equal, or None
         to derive it from grid, num_warps and constants (right when every argument is
         changing). Returns the setup it launched (its ``args`` may be rewritten and the launch
-        repeated: ``low_latency_fast``), None under the interpreter."""
+        repeated: a replay), None under the interpreter."""
         if INTERPRET:
             self.kernel[(grid,)](*args, **(constants() if callable(constants) else constants), num_warps=num_warps)
             return None

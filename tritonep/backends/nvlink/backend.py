@@ -112,7 +112,7 @@ class NvlinkBackend(Backend):
         # Combine pieces through the driver when cuda-bindings is there (combine_copy_engine.py).
         self._driver = None if INTERPRET else driver_memory_operations(self._device)
         # Low-latency mode has its own allocation (the front end checks its size per call).
-        self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device) \
+        self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device, self.tuning) \
             if low_latency_mode and num_rdma_bytes > 0 else None
 
     @property

@@ -2,66 +2,51 @@
 
 A decode server makes the same low-latency call (same options, same tensor shapes) twice per
 MoE layer per step. The general path (``Buffer`` checks, request objects, the launch variant's
-lookup, ``FastLauncher``'s conversion of every changing argument) cost 13 us of Python on an
-H200 host beside 4.7 us for the launch itself (docs/benchmarks/2026-11-23-host-path); issue 11
-asks for 10 us in all.
+lookup, ``FastLauncher``'s conversion of every changing argument) costs several times the
+launch itself in Python, which a decode step pays on its critical path.
 
-A ``LowLatencyDispatchReplay`` / ``LowLatencyCombineReplay`` stands for one such call shape. The general path fills it
-as it runs (``learn``): per receive slot, the compiled launches it made (``launcher._Setup``:
-the kernel and its raw argument list, tensors as addresses) and the outputs it reused. A repeat
-then checks its tensors (dtype, contiguity, device, 16-byte alignment: what those launches were
-compiled for; the shapes are part of the key that found the object), writes the addresses that
-change into the argument lists and launches them. The call order (slots, pending hooks) and the
-status word are the engine's, shared with the general path, so the two paths interleave freely.
+A ``LowLatencyDispatchReplay`` / ``LowLatencyCombineReplay`` stands for one such call shape.
+The general path fills it as it runs (``learn``): per receive slot, the compiled launches it
+made (``launcher._Setup``: the kernel and its raw argument list, tensors as addresses) and the
+outputs it reused. A repeat then checks its tensors (dtype, contiguity, device, 16-byte
+alignment: what those launches were compiled for; the shapes are part of the key that found
+the replay), writes the addresses that change into the argument lists and launches them. The
+call order (slots, pending hooks), the status word and the zero-copy buffer index live in the
+``LowLatencyCalls`` the engine shares with its replays, so the two paths interleave freely.
 Anything unusual (a slot not learnt yet, a pending hook on the slot, a time-out report, a tensor
 that does not fit) returns None, and the caller takes the general path, which checks
 everything and raises with the message.
 
 Under Triton's interpreter ``FastLauncher`` makes no compiled launches, so nothing is learnt and
-every call takes the general path; ``tests/test_low_latency_fast.py`` checks the arguments the
-fast path writes against the general path's with the launches recorded instead of run.
+every call takes the general path; ``tests/test_low_latency_fast.py`` checks the arguments a
+replay writes against the general path's with the launches recorded instead of run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from tritonep.backends.nvlink.low_latency.call_order import CallOrder, LowLatencyCalls
+from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_combine_kernel
+from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel
+from tritonep.backends.nvlink.low_latency.outputs import DispatchOutputs
 from tritonep.core.event import EventOverlap
 from tritonep.core.handles import LowLatencyHandle
-from tritonep.runtime.launcher import current_stream
-
-if TYPE_CHECKING:
-    from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
+from tritonep.runtime.launcher import argument_positions, current_stream
 
 _BF16, _INT64, _INT32, _FLOAT32 = torch.bfloat16, torch.int64, torch.int32, torch.float32
 _NO_EVENT = EventOverlap(None)   # holds nothing: one object serves every call
 
-
-class LowLatencyState:
-    """What a handle carries for its combine, besides (src_info, layout_range, T, H, E):
-    ``topk_slot`` (int8 [E/R, R*T]: which top-k entry of its token each row is),
-    ``dispatch_mask`` (int32 [R]: the ranks the dispatch skipped, shrink mode), ``received``
-    and ``addresses``, those of (src_info, topk_slot, layout_range, dispatch_mask), which a
-    fast combine writes into its launch."""
-
-    __slots__ = ("topk_slot", "dispatch_mask", "received", "addresses")
-
-    def __init__(self, src_info: torch.Tensor, layout_range: torch.Tensor, topk_slot: torch.Tensor,
-                 dispatch_mask: torch.Tensor, received: bool = False) -> None:
-        self.topk_slot, self.dispatch_mask, self.received = topk_slot, dispatch_mask, received
-        self.addresses = (src_info.data_ptr(), topk_slot.data_ptr(), layout_range.data_ptr(),
-                          dispatch_mask.data_ptr())
-
-
-def aligned(*addresses: int) -> bool:
-    """Every address 16-byte aligned: what the learnt launches were compiled for."""
-    bits = 0
-    for address in addresses:
-        bits |= address
-    return not bits & 15
+# Where a repeat writes its call's values in the learnt argument lists. Call shapes that differ
+# only in the number of tokens share compiled launches: each call writes its own.
+_D_X, _D_TOPK_IDX, _D_TOKENS, _D_RECV_STATS, _D_WAIT_STATS = argument_positions(
+    low_latency_dispatch_kernel, "x_ptr", "topk_idx_ptr", "num_tokens", "recv_stats_ptr", "wait_stats_ptr")
+_COMBINE_CHANGES = argument_positions(
+    low_latency_combine_kernel, "x_ptr", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr", "topk_idx_ptr",
+    "topk_weights_ptr", "out_ptr", "dispatch_mask_ptr", "wait_stats_ptr", "num_tokens")
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype, device_index: int) -> bool:
@@ -92,15 +77,15 @@ class _Slots:
             self.launches[slot][1] = receive
 
 
-def _receive_hook(engine: LowLatencyEngine, order: Any, call: int, slot: int, receive: Any,
+def _receive_hook(calls: LowLatencyCalls, order: CallOrder, call: int, slot: int, receive: Any,
                   changes: tuple[tuple[int, int], ...], after: Callable[[], None] | None,
                   keep: tuple) -> Callable[[], None]:
-    """The receive hook of a fast call: the general hook's checks, then the learnt receive
+    """The receive hook of a replayed call: the general hook's checks, then the learnt receive
     launch with this call's addresses. ``keep``: the call's tensors, alive until the hook (as
     the general path's hook keeps them): the receive half reads some of them (a combine's
     top-k weights), and a caller may drop its references before running the hook."""
     def hook() -> None:
-        engine.check_status()
+        calls.check_status()
         order.finish(call, slot)
         raw = receive.args
         for index, value in changes:
@@ -116,37 +101,31 @@ class LowLatencyDispatchReplay:
     """One low-latency dispatch shape: (x shape, top-k shape, T, E, fp8 options, hook, which
     statistics are given)."""
 
-    def __init__(self, engine: LowLatencyEngine, hook: bool, num_max_tokens: int, hidden: int, num_experts: int,
-                 names: list[str]) -> None:
-        self.engine, self.hook = engine, hook
+    def __init__(self, calls: LowLatencyCalls, hook: bool, num_max_tokens: int, hidden: int, num_experts: int,
+                 num_ranks: int) -> None:
+        self.calls, self.hook = calls, hook
+        # The same objects for the engine's life (cleaning resets them in place): read once.
+        self.order, self.status_view = calls.dispatch_order, calls.status.view
         self.num_max_tokens, self.hidden, self.num_experts = num_max_tokens, hidden, num_experts
-        self.device_index = engine.device.index if engine.device.type == "cuda" else -1
-        self.local_shape, self.rank_shape = (num_experts // engine.num_ranks,), (engine.num_ranks,)
+        self.buffer_id, self.device_index = calls.buffer_id, calls.device_index
+        self.local_shape, self.rank_shape = (num_experts // num_ranks,), (num_ranks,)
         self.slots = _Slots()
         self.results: list[tuple | None] = [None, None]
-        self.x_arg, self.topk_arg = names.index("x_ptr"), names.index("topk_idx_ptr")
-        # Call shapes that differ only in the number of tokens share compiled launches: each
-        # call writes its own.
-        self.tokens_arg = names.index("num_tokens")
-        self.recv_stats_arg, self.wait_stats_arg = names.index("recv_stats_ptr"), names.index("wait_stats_ptr")
 
     def _result(self, slot: int, received: bool) -> tuple:
         """(packed_recv_x, packed_recv_count, handle, event) of a call in ``slot``."""
-        packed, _, _, packed_count, src_info, layout_range, topk_slot, dispatch_mask = self.slots.outputs[slot]
-        handle = LowLatencyHandle(src_info, layout_range, self.num_max_tokens, self.hidden, self.num_experts,
-                                  self.engine.buffer_id,
-                                  LowLatencyState(src_info, layout_range, topk_slot, dispatch_mask, received))
-        return packed, packed_count, handle, _NO_EVENT
+        outputs: DispatchOutputs = self.slots.outputs[slot]
+        handle = outputs.handle(self.num_max_tokens, self.hidden, self.num_experts, self.buffer_id, received)
+        return outputs.packed, outputs.packed_count, handle, _NO_EVENT
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_stats: torch.Tensor | None,
                  wait_stats: torch.Tensor | None) -> tuple | None:
         """Buffer.low_latency_dispatch's return value, or None: take the general path. (Written
         for few Python operations, as LowLatencyCombineReplay's.)"""
-        engine, device = self.engine, self.device_index
-        order = engine.dispatch_order
+        order, device = self.order, self.device_index
         slot = order.sent & 1
         first, receive = self.slots.launches[slot]
-        if (first is None or (self.hook and receive is None) or slot in order.pending or engine.status_view[0]
+        if (first is None or (self.hook and receive is None) or slot in order.pending or self.status_view[0]
                 or x.dtype is not _BF16 or not x.is_contiguous() or x.get_device() != device
                 or topk_idx.dtype is not _INT64 or not topk_idx.is_contiguous() or topk_idx.get_device() != device
                 or not _stats_fit(recv_stats, _INT32, self.local_shape, device)
@@ -157,13 +136,14 @@ class LowLatencyDispatchReplay:
         wait_stats_address = 0 if wait_stats is None else wait_stats.data_ptr()
         if (x_address | topk_address | recv_stats_address | wait_stats_address) & 15:
             return None
+        # CallOrder.start, its check done above.
         call = order.sent = order.sent + 1
         raw = first.args
-        raw[self.x_arg], raw[self.topk_arg], raw[self.tokens_arg] = x_address, topk_address, x.shape[0]
+        raw[_D_X], raw[_D_TOPK_IDX], raw[_D_TOKENS] = x_address, topk_address, x.shape[0]
         if recv_stats is not None:
-            raw[self.recv_stats_arg] = recv_stats_address
+            raw[_D_RECV_STATS] = recv_stats_address
         if wait_stats is not None:
-            raw[self.wait_stats_arg] = wait_stats_address
+            raw[_D_WAIT_STATS] = wait_stats_address
         first(current_stream())
         if not self.hook:   # every such call of a slot returns the same, received: made once
             result = self.results[slot]
@@ -177,43 +157,41 @@ class LowLatencyDispatchReplay:
         def received() -> None:
             state.received = True
 
-        changes = [(self.x_arg, x_address), (self.topk_arg, topk_address), (self.tokens_arg, x.shape[0])]
+        changes = [(_D_X, x_address), (_D_TOPK_IDX, topk_address), (_D_TOKENS, x.shape[0])]
         if recv_stats is not None:
-            changes.append((self.recv_stats_arg, recv_stats_address))
+            changes.append((_D_RECV_STATS, recv_stats_address))
         if wait_stats is not None:
-            changes.append((self.wait_stats_arg, wait_stats_address))
+            changes.append((_D_WAIT_STATS, wait_stats_address))
         return packed, packed_count, handle, _NO_EVENT, _receive_hook(
-            engine, order, call, slot, receive, tuple(changes), received, (x, topk_idx, recv_stats, wait_stats))
+            self.calls, order, call, slot, receive, tuple(changes), received, (x, topk_idx, recv_stats, wait_stats))
 
 
 class LowLatencyCombineReplay:
     """One low-latency combine shape: (T, H, E, top-k shape, zero copy, hook, wait statistics
-    given); with or without ``out`` alike (without, the output is the engine's per-slot one)."""
+    given); with or without ``out`` alike (without, the output is the engine's per-slot one).
+    ``zero_copy_addresses``: the two zero-copy send buffers' (the general path makes a view of
+    one)."""
 
-    def __init__(self, engine: LowLatencyEngine, hook: bool, zero_copy: bool, num_max_tokens: int, hidden: int,
-                 num_experts: int, names: list[str]) -> None:
-        self.engine, self.hook, self.zero_copy = engine, hook, zero_copy
-        self.hidden, self.buffer_id = hidden, engine.buffer_id
-        self.device_index = engine.device.index if engine.device.type == "cuda" else -1
-        R = engine.num_ranks
-        self.x_shape, self.rank_shape = (num_experts // R, R * num_max_tokens, hidden), (R,)
+    def __init__(self, calls: LowLatencyCalls, hook: bool, zero_copy: bool, num_max_tokens: int, hidden: int,
+                 num_experts: int, num_ranks: int, zero_copy_addresses: tuple[int, int]) -> None:
+        self.calls, self.hook, self.zero_copy = calls, hook, zero_copy
+        # The same objects for the engine's life (cleaning resets them in place): read once.
+        self.order, self.status_view = calls.combine_order, calls.status.view
+        self.hidden, self.buffer_id, self.device_index = hidden, calls.buffer_id, calls.device_index
+        self.x_shape = (num_experts // num_ranks, num_ranks * num_max_tokens, hidden)
+        self.rank_shape = (num_ranks,)
         self.slots = _Slots()
-        # Zero copy: the two send buffers' addresses (the general path makes a view of one).
-        self.zero_copy_addresses = engine.zero_copy_addresses(num_max_tokens, hidden, num_experts)
-        self.args = tuple(names.index(name) for name in (
-            "x_ptr", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr", "topk_idx_ptr", "topk_weights_ptr",
-            "out_ptr", "dispatch_mask_ptr", "wait_stats_ptr", "num_tokens"))
+        self.zero_copy_addresses = zero_copy_addresses
 
-    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Any,
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: LowLatencyHandle,
                  out: torch.Tensor | None, wait_stats: torch.Tensor | None) -> tuple | None:
         """Buffer.low_latency_combine's return value, or None: take the general path. (Written
         for few Python operations: this runs twice per MoE layer per decode step.)"""
-        engine, device = self.engine, self.device_index
-        order = engine.combine_order
+        calls, order, device = self.calls, self.order, self.device_index
         slot = order.sent & 1
         first, receive = self.slots.launches[slot]
         state = handle.backend_state
-        if (first is None or (self.hook and receive is None) or slot in order.pending or engine.status_view[0]
+        if (first is None or (self.hook and receive is None) or slot in order.pending or self.status_view[0]
                 or handle.buffer_id != self.buffer_id or not state.received
                 or x.dtype is not _BF16 or x.shape != self.x_shape or not x.is_contiguous() or x.get_device() != device
                 or topk_idx.dtype is not _INT64 or not topk_idx.is_contiguous() or topk_idx.get_device() != device
@@ -227,27 +205,28 @@ class LowLatencyCombineReplay:
         # The handle's tensors and the engine's outputs are the engine's own (16-byte aligned);
         # only the caller's may not be.
         src_info_address, topk_slot_address, layout_address, dispatch_mask_address = state.addresses
-        source = self.zero_copy_addresses[engine.combine_buffer_index] if self.zero_copy else x.data_ptr()
+        source = self.zero_copy_addresses[calls.combine_buffer_index] if self.zero_copy else x.data_ptr()
         topk_address, weights_address = topk_idx.data_ptr(), topk_weights.data_ptr()
         out_address = self.slots.outputs[slot].data_ptr() if out is None else out.data_ptr()
         stats_address = layout_address if wait_stats is None else wait_stats.data_ptr()
         if (source | topk_address | weights_address | out_address | stats_address) & 15:
             return None
-        engine.combine_buffer_index ^= 1
+        calls.combine_buffer_index ^= 1
+        # CallOrder.start, its check done above.
         call = order.sent = order.sent + 1
         raw = first.args
         x_arg, src_info_arg, topk_slot_arg, layout_arg, topk_arg, weights_arg, out_arg, mask_arg, stats_arg, \
-            tokens_arg = self.args
+            tokens_arg = _COMBINE_CHANGES
         raw[x_arg], raw[src_info_arg], raw[topk_slot_arg], raw[layout_arg] = \
             source, src_info_address, topk_slot_address, layout_address
         raw[topk_arg], raw[weights_arg], raw[out_arg], raw[mask_arg], raw[stats_arg], raw[tokens_arg] = \
             topk_address, weights_address, out_address, dispatch_mask_address, stats_address, topk_idx.shape[0]
         first(current_stream())
         if out is None:
-            out = self.slots.outputs[slot]   # the engine's combine_output for this slot
+            out = self.slots.outputs[slot]   # the engine's combine output for this slot
         if not self.hook:
             return out, _NO_EVENT, None
         order.pending[slot] = call
-        changes = tuple((index, raw[index]) for index in self.args)
-        return out, _NO_EVENT, _receive_hook(engine, order, call, slot, receive, changes, None,
+        changes = tuple((index, raw[index]) for index in _COMBINE_CHANGES)
+        return out, _NO_EVENT, _receive_hook(calls, order, call, slot, receive, changes, None,
                                              (x, topk_idx, topk_weights, out, wait_stats))
