@@ -528,8 +528,8 @@ class Buffer:
             key = None
             if (type(handle) is LowLatencyHandle and type(x) is torch.Tensor  # noqa: E721
                     and type(topk_idx) is torch.Tensor and not async_finish):
-                key = (handle[2], handle[3], handle[4], topk_idx.shape, zero_copy, return_recv_hook,
-                       combine_wait_recv_cost_stats is None)
+                key = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, topk_idx.shape,
+                       zero_copy, return_recv_hook, combine_wait_recv_cost_stats is None)
                 replay = self._low_latency_replays.get(key)
                 if replay is not None:
                     result = replay(x, topk_idx, topk_weights, handle, out, combine_wait_recv_cost_stats)

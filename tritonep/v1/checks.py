@@ -153,7 +153,7 @@ def low_latency_combine_fits(request: LowLatencyCombineRequest, async_finish: bo
             and not (async_finish and request.return_recv_hook) and isinstance(topk_idx, torch.Tensor)
             and topk_idx.dim() == 2):
         return False
-    T, hidden, num_experts = handle[2], handle[3], handle[4]
+    T, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
     return (topk_idx.shape[0] <= T
             and checks.fits(request.x, torch.bfloat16, (num_experts // num_ranks, num_ranks * T, hidden), on_gpu)
             and checks.fits(topk_idx, torch.int64, topk_idx.shape, on_gpu)

@@ -251,7 +251,7 @@ def combine(group: dist.ProcessGroup, source: torch.Tensor, topk_idx: torch.Tens
     if layout.recv_expert is None or layout.recv_row is None:
         raise InputError("low_latency_combine: the dispatch of this handle was not received yet; call its "
                          "recv hook first")
-    num_experts, num_ranks = handle[4], group.size()
+    num_experts, num_ranks = handle.num_experts, group.size()
     num_tokens, hidden = topk_idx.shape[0], source.shape[2]
     device = source.device
     token_index, slot_k, expert, counts = routing.low_latency_send_plan(topk_idx, num_experts, num_ranks)
