@@ -76,6 +76,13 @@ def current_stream() -> int:
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
+def argument_positions(kernel: Any, *names: str) -> tuple[int, ...]:
+    """Where the arguments ``names`` sit in ``kernel``'s argument list, and so in the raw list of
+    a launch of it (``_Setup.args``): the places a replay rewrites, found by name so that the
+    kernel's signature may be regrouped."""
+    return tuple(kernel.arg_names.index(name) for name in names)
+
+
 class _Setup:
     """A compiled kernel and its raw argument list, constexprs included (Triton's launcher
     takes them and skips them)."""
