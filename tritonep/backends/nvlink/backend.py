@@ -40,8 +40,8 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
     pieces_per_peer,
     push_combine_weights,
 )
-from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
-from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
+from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
+from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
 from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout
 from tritonep.backends.nvlink.normal.notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
 from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
@@ -51,20 +51,10 @@ from tritonep.core.checks import InputError
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 from tritonep.core.replay import Replay
 from tritonep.core.routing import count_rows_from_prefix, round_up_counts
-from tritonep.runtime.launcher import FastLauncher
 from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
 from tritonep.runtime.side_streams import PeerStreams
 from tritonep.runtime.status import timeout_error
 
-# A launch converts only these arguments per call; the others are fixed by the backend and
-# the call's shape, which the setup key stands for (``DispatchShape``, ``combine``).
-_COMBINE = FastLauncher(combine_kernel, changing=(
-    "x_ptr", "x_words_ptr", "weights_ptr", "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "bias0_ptr",
-    "bias1_ptr", "out_ptr", "out_weights_ptr", "num_tokens", "epoch", "released_target"))
-_DISPATCH = FastLauncher(dispatch_kernel, changing=(
-    "x_ptr", "scales_ptr", "scale_token_stride", "scale_col_stride", "topk_idx_ptr", "topk_weights_ptr",
-    "token_list_ptr", "token_list_stride", "prefix_ptr", "out_x_ptr", "out_scales_ptr", "out_idx_ptr",
-    "out_weights_ptr", "out_src_ptr", "num_out_rows", "guard_word", "epoch", "released_target"))
 # Distinct per backend and kernel shapes (see ``NvlinkBackend.tuning``): part of every setup key.
 _LAUNCH_KEYS = itertools.count()
 
@@ -288,29 +278,33 @@ class NvlinkBackend(Backend):
             else:
                 reads_counts = True
         self.dispatch_epoch += 1
+        # The kernel's argument groups (dispatch_kernel.py); both halves share all but the outputs.
         words = x.view(torch.int32) if x.dim() == 2 else x
         scale_view = scales.view(torch.int32) if scales is not None else words
         inputs = (words, shape.x_words, scale_view, max(shape.scale_words, 1),
                   scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
                   request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
-                  plan.token_list, plan.token_list.stride(0), prefix)
-        rest = (self.memory.peer_base_ptrs, *shape.regions, shape.capacity, self.rank, self.dispatch_epoch,
-                self.dispatch_released, shape.experts_per_rank, self.status, self.timeout_ns)
+                  shape.experts_per_rank)
+        send_plan = (plan.token_list, plan.token_list.stride(0), prefix)
+        staging = (self.memory.peer_base_ptrs, self.rank, *shape.regions, shape.capacity)
+        ahead = inputs + send_plan
+        behind = staging + (self.dispatch_epoch, self.dispatch_released) + (self.status, self.timeout_ns)
 
         launched: list = [None, None]   # the compiled (send, receive) launches: a cached dispatch learns them
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
-            launched[0] = _DISPATCH(shape.senders, shape.send_setup, inputs + shape.unused_outputs + rest,
-                                    shape.send_constants, t.warps)
+            launched[0] = DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind,
+                                   shape.send_constants, t.warps)
 
         def receive(rows: int, guard_word: int = 0) -> tuple[torch.Tensor, ...]:
             outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self._device,
                                        self._cached_recv_src(plan, rows) if handle is not None else None)
-            args = (outputs[0].view(torch.int32), outputs[1].view(torch.int32) if scales is not None else outputs[4],
-                    outputs[2] if has_topk else self._placeholder(torch.int64),
-                    outputs[3] if has_topk else self._placeholder(torch.float32), outputs[4], rows, guard_word)
-            launched[1] = _DISPATCH(shape.receivers, shape.receive_setup, inputs + args + rest,
-                                    shape.receive_constants, t.warps)
+            output_args = (outputs[0].view(torch.int32),
+                           outputs[1].view(torch.int32) if scales is not None else outputs[4],
+                           outputs[2] if has_topk else self._placeholder(torch.int64),
+                           outputs[3] if has_topk else self._placeholder(torch.float32), outputs[4], rows, guard_word)
+            launched[1] = DISPATCH(shape.receivers, shape.receive_setup, ahead + output_args + behind,
+                                   shape.receive_constants, t.warps)
             return outputs
 
         # The send half runs on the side stream after the exchange (after everything queued on
@@ -417,12 +411,15 @@ class NvlinkBackend(Backend):
         self.combine_epoch += 1
         t = self.tuning
         R = self.num_ranks
-        args = (x, x.view(torch.int32), topk_weights if topk_weights is not None else x, handle.rank_prefix_matrix,
-                handle.is_token_in_rank, plan.send_pos, bias[0] if bias[0] is not None else x,
-                bias[1] if bias[1] is not None else x, out, out_weights if out_weights is not None else out,
-                num_tokens, hidden, self.memory.peer_base_ptrs, *regions, capacity,
-                self.rank, self.combine_epoch, self.combine_released, self.status, self.timeout_ns)
-        # Everything the launch does not convert per call (see _COMBINE) follows from the setup
+        # The kernel's argument groups (combine_kernel.py), in its order.
+        args = (x, x.view(torch.int32), topk_weights if topk_weights is not None else x,          # inputs
+                bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x, hidden,
+                handle.rank_prefix_matrix, handle.is_token_in_rank, plan.send_pos,                 # send plan
+                out, out_weights if out_weights is not None else out, num_tokens,                  # outputs
+                self.memory.peer_base_ptrs, self.rank, *regions, capacity,                         # staging area
+                self.combine_epoch, self.combine_released,                                         # call counters
+                self.status, self.timeout_ns)                                                      # status
+        # Everything the launch does not convert per call (see COMBINE) follows from the setup
         # key; the constexprs are built only when a key is new (FastLauncher).
         setup = (self._launch_key, hidden, num_topk, topk_weights is not None, bias[0] is not None, bias[1] is not None)
 
@@ -445,12 +442,12 @@ class NvlinkBackend(Backend):
             pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)
             self._fork_combine_copies(x, topk_weights, plan, handle.rank_prefix_matrix, regions, pieces)
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
-            launch = _COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
+            launch = COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
             self._peer_streams.join()
         else:
             pieces = 0
             senders, reducers = split_programs(config.num_sms, t.combine_sender_fraction)
-            launch = _COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
+            launch = COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
                               constants(senders, reducers, senders), t.warps)
         self.combine_released += reducers
         replay = None
