@@ -29,6 +29,9 @@ torch's ``copy_`` and a one-program signal kernel, same semantics (``Tuning.comb
 False`` chooses it). By default ``pieces_per_peer`` picks fewer pieces per peer as the peers
 grow in number, so that the host's issue stays well under the copies' own time.
 
+``CombineCopier`` is that side work for one engine: the general path and the combine's replay
+(``replay.py``) both call it.
+
 Staging reuse: the reduction's last program waits until every peer's reducers finished the
 call (``combine_kernel.release_staging``), and the next combine's weights kernel and copies
 start only after that kernel on the caller's stream, so neither overwrites rows or weights a
@@ -44,11 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonep.backends.nvlink.memory import MAX_CHANNELS
+from tritonep.backends.nvlink.memory import MAX_CHANNELS, SymmetricBuffer
 from tritonep.device.rows import block_count, block_start
 from tritonep.device.signals import fence_system, publish
 from tritonep.runtime.launcher import FastLauncher, current_stream
 from tritonep.runtime.platform import GPU_KERNELS
+from tritonep.runtime.side_streams import PeerStreams
 
 
 @triton.jit(do_not_specialize=["peer", "tail_index", "value"])
@@ -58,7 +62,7 @@ def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
     publish(peer_base.to(tl.pointer_type(tl.int64)) + tail_index, value)
 
 
-# Per launch only these change; ``peer_base_ptrs`` is fixed per backend (the caller's ``owner``).
+# Per launch only these change; ``peer_base_ptrs`` is fixed per engine (the caller's ``owner``).
 _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_index", "value"))
 
 
@@ -108,11 +112,41 @@ def push_combine_weights(topk_weights: torch.Tensor, rank_prefix_matrix: torch.T
                          staging_weights: int, rank: int, num_ranks: int, owner: object) -> None:
     """Launch ``combine_weights_kernel`` on the current stream: every peer's top-k weights, one
     program per peer. ``owner``: a key that stands for ``peer_base_ptrs``, ``rank`` and
-    ``num_ranks`` (equal keys, equal values; the backend's launch key)."""
+    ``num_ranks`` (equal keys, equal values; the engine's launch generation)."""
     num_topk = topk_weights.shape[1]
     _WEIGHTS(num_ranks - 1, (owner, staging_weights, num_topk),
              (topk_weights, rank_prefix_matrix, peer_base_ptrs, staging_weights, rank),
              lambda: dict(NUM_RANKS=num_ranks, NUM_TOPK=num_topk, BLOCK=1024, GPU=GPU_KERNELS), 4)
+
+
+class CombineCopier:
+    """The copy-engine combine's side work for one engine and tuning: the top-k weights to every
+    peer (on the current stream: the tail words publish them), then each peer's rows in pieces on
+    that peer's side stream of ``streams``, which the caller joins after the reduction's launch.
+
+    ``driver``: from ``driver_memory_operations``, or None for torch's copies and the signal
+    kernel. ``owner``: a key that stands for ``memory``, ``rank`` and ``num_ranks`` in the
+    launches' setup keys (the engine's launch generation)."""
+
+    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner")
+
+    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object) -> None:
+        self.memory, self.rank, self.num_ranks = memory, memory.rank, memory.num_ranks
+        self.streams, self.driver, self.owner = streams, driver, owner
+
+    def fork(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
+             rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int, epoch: int) -> None:
+        """Start combine ``epoch``'s side work: ``copies`` from ``combine_copies``, ``regions``
+        the combine's staging regions (x, weights), ``pieces`` per peer."""
+        if not copies:   # no rows go to a peer (one rank, or all stay here): nothing to send
+            return
+        memory = self.memory
+        if topk_weights is not None:
+            push_combine_weights(topk_weights, rank_prefix_matrix, memory.peer_base_ptrs, regions[1], self.rank,
+                                 self.num_ranks, self.owner)
+        self.streams.fork(combine_copy_jobs(
+            x, copies, memory.peers, memory.peer_base_ptrs, regions[0], memory.signals.combine_tail, self.rank, epoch,
+            pieces, self.owner, self.driver))
 
 
 def driver_memory_operations(device: torch.device) -> Any:

@@ -3,7 +3,7 @@
 After the count exchange every rank knows ``rank_prefix_matrix``, so it knows exactly where
 each of its rows lands at each destination: block start (rows from lower ranks) plus the
 row's position in its send list. There is no ring buffer and no flow control inside a call.
-The kernel runs as two launches (``SEND``), which the backend puts on two streams:
+The kernel runs as two launches (``SEND``), which the engine puts on two streams:
 
 * **The send half** (``NUM_SENDERS`` programs) splits each peer's send list into
   ``NUM_SENDERS`` channels, gathers the rows from ``x`` and stores them into the peer's

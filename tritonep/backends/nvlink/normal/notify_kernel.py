@@ -119,7 +119,7 @@ def notify_dispatch_kernel(
 
 
 # Per call only these change; the rest (this rank's memory, status, time-out) is fixed per
-# backend, which the caller's ``owner`` key stands for.
+# engine, which the caller's ``owner`` key stands for.
 _NOTIFY = FastLauncher(notify_dispatch_kernel, changing=(
     "is_token_in_rank_ptr", "num_tokens", "num_tokens_per_expert_ptr", "hidden_words", "scale_words", "num_topk",
     "num_experts", "token_list_ptr", "token_list_stride", "send_pos_ptr", "result_ptr", "notify_epoch",
