@@ -154,8 +154,7 @@ class SymmetricBuffer:
         Each peer gets an export of its own. torch counts the users of an exported block with
         one counter per export, which its one receiver decrements when it lets go: one export
         shared by several peers was decremented once per peer, wrapped below zero, and kept
-        the block allocated for good (1.5 GiB per rank per Buffer at 4 ranks,
-        docs/benchmarks/2026-11-25-h100x1-s10)."""
+        the block allocated for good (every Buffer's whole allocation, on every rank)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.local = on_every_rank(self.group, lambda: torch.empty(total, dtype=torch.uint8, device=device),

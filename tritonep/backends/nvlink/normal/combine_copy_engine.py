@@ -19,11 +19,10 @@ peers in one small kernel on the caller's stream (``push_combine_weights``); the
 start after it, so every tail word is written after the weights it publishes.
 
 Host cost: each operation on a side stream costs the host microseconds, and an EP8 combine has
-7 peers. Measured on an H200 host where a torch ``add_`` costs 10 us
-(``scripts/copy_engine_host_probe.py``): a ``cuMemcpyDtoDAsync`` 10-12 us (through
-cuda-bindings, ctypes or ``cuMemcpyBatchAsync`` alike), a ``cuStreamWriteValue64`` 2.5-3 us,
-a side stream's fork and join 8 us. With cuda-bindings installed (and the GPU supporting
-stream memory operations) a piece is those two driver calls, the tail word written by the
+7 peers. A copy costs about what a small kernel launch costs (through cuda-bindings, ctypes or
+``cuMemcpyBatchAsync`` alike), a stream memory write a fraction of that, and a side stream's
+fork and join about a copy. With cuda-bindings installed (and the GPU supporting stream memory
+operations) a piece is a copy and a ``cuStreamWriteValue64``: the tail word is written by the
 stream itself, which the driver orders after the copy with a memory barrier. Otherwise it is
 torch's ``copy_`` and a one-program signal kernel, same semantics (``Tuning.combine_driver=
 False`` chooses it). By default ``pieces_per_peer`` picks fewer pieces per peer as the peers
@@ -94,15 +93,16 @@ def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weig
 
 _WEIGHTS = FastLauncher(combine_weights_kernel, changing=("weights_ptr", "prefix_ptr"))
 
-# Pieces in all (over the peers) that a combine's host issue may cost by default: 8 pieces are
-# about 110 us of host on the slow hosts measured (module docstring), a third of an EP8 combine.
+# Pieces in all (over the peers) that a combine's host issue may cost by default: each piece
+# costs the host about a kernel launch (module docstring), and more than 8 of them would be a
+# large part of an EP8 combine's time on slow hosts.
 MAX_PIECES = 8
 
 
 def pieces_per_peer(num_ranks: int, requested: int) -> int:
     """Pieces per peer: ``requested`` if set (> 0), else 2 while the peers are few and 1 from
     EP6 on (EP8: 7 pieces). A piece lets the reduction start earlier, but costs the host a copy
-    and a stream write; 2 measured as fast as 4 and faster than 8 at EP2."""
+    and a stream write: past 2 per peer the host's cost outweighs the earlier start."""
     if requested > 0:
         return requested
     return max(1, min(2, MAX_PIECES // max(num_ranks - 1, 1)))

@@ -174,8 +174,8 @@ def dispatch_kernel(
                 # itself, so bounds taken from what each one saw can differ between threads, and
                 # this loop holds CTA barriers (the one ending every wait) that all threads must
                 # pass equally often. With per-thread bounds a program could release the peer's
-                # staging while some of its threads were still copying from it (a rare wrong-
-                # scales failure on 2 x H200, 2026-11-24).
+                # staging while some of its threads were still copying from it (rarely, wrong
+                # scales in the output).
                 arrived = tl.minimum(done + ROWS * SIGNAL_EVERY, hi - lo)
                 seen = wait_at_least(tail, stamp + arrived, status_ptr, timeout_ns, PHASE_DISPATCH_DATA, source, GPU)
                 # A timed-out wait returns far above any count: give up on the channel rather

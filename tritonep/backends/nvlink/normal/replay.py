@@ -2,10 +2,8 @@
 
 Training makes the same handle-based calls again and again: a combine per layer, and a cached
 dispatch (``handle=``) in every layer's backward. The general path checks every argument,
-builds the request, works out the call shape and converts every changing launch argument; on
-an H200 host that cost about 47 us per cached dispatch and per combine beside launches of a few
-microseconds each (docs/benchmarks/2026-11-24-h200x1-s6, run 20), and 130 us on the x2 host
-where DeepEP's took 45 and 36 (2026-11-24-h200x2-s6).
+builds the request, works out the call shape and converts every changing launch argument:
+several times the host time of the launches themselves, which are a few microseconds each.
 
 A ``CachedDispatchReplay`` / ``CombineReplay`` stands for one such call: the handle (its send
 plan holds the objects), the input's dtype, shape and layout, and ``num_sms`` (the front end's
