@@ -45,7 +45,7 @@ class NvlinkBackend(Backend):
         self.normal = NormalEngine(self._memory, self.rank, self.num_ranks, buffer_id, self._device, tuning)
         self._stream = None if INTERPRET else torch.cuda.Stream(self._device)
         # Low-latency mode has its own allocation (the front end checks its size per call).
-        self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device) \
+        self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device, tuning) \
             if low_latency_mode and num_rdma_bytes > 0 else None
 
     @property
