@@ -263,7 +263,8 @@ def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -
     memory = backend.memory
     first = memory.signals.dispatch_done
     done = memory.local[: memory.data_offset].view(torch.int64)[first: first + group.size()].tolist()
-    return all(count == backend.dispatch_released for peer, count in enumerate(done) if peer != group.rank())
+    released = backend.normal.state.dispatch_released
+    return all(count == released for peer, count in enumerate(done) if peer != group.rank())
 
 
 def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) -> tuple[str, bool]:

@@ -1,27 +1,32 @@
-"""The repeat paths of normal-mode calls with a handle (tritonep/backends/nvlink/normal_repeat.py)
+"""The replays of normal-mode calls with a handle (tritonep/backends/nvlink/normal/replay.py)
 launch exactly what the general path launches, and decline whatever they were not learnt for.
 
 As in tests/test_low_latency_fast.py: under Triton's interpreter the NVLink backend makes no
 compiled launches, so nothing would be learnt. Here a real fresh dispatch (on the interpreter)
 makes the handle; then the kernels are replaced by stand-ins that compile nothing, and every
 launch records its raw argument list (that file's ``NoKernel`` and ``RecordedLaunch``). Every
-cached dispatch and combine then runs twice from the same host state, through the repeat path
-and through the general path: the launches (with each run's new outputs named instead of their
-addresses), the results' shapes and the host counters after must be equal. The kernels
-themselves run in the GPU tests, where repeated calls take these paths.
+cached dispatch and combine then runs twice from the same engine state (``NormalState``'s
+counters), through its replay and through the general path (the handle's replay table emptied
+for that run): the launches (with each run's new outputs named instead of their addresses),
+the results' shapes and the counters after must be equal. The kernels themselves run in the
+GPU tests, where repeated calls take these paths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 import tritonep as deep_ep
+from tritonep.core.replay import ReplayTable
 
 TOKENS, HIDDEN, EXPERTS, TOPK, CALLS = 12, 256, 8, 3, 3
+# What each kind of call advances in the engine's state.
+DISPATCH_COUNTERS, COMBINE_COUNTERS = ("dispatch_epoch", "dispatch_released"), ("combine_epoch", "combine_released")
 
 
 def _tensors(result: object) -> list[torch.Tensor]:
@@ -43,15 +48,53 @@ def _shapes(result: object) -> tuple:
     return tuple((tuple(tensor.shape), tensor.dtype) for tensor in _tensors(result))
 
 
-def repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
-    from nvlink_cases import count_repeats, make_buffer, uncount_repeats
+@contextlib.contextmanager
+def launches_recorded() -> Iterator[None]:
+    """Inside, the normal mode's launches are learnt and repeated as on a GPU, but each is a
+    ``RecordedLaunch`` and nothing is compiled or run. On exit the module state is restored and
+    what the launchers learnt is dropped."""
     from test_low_latency_fast import NoKernel, RecordedLaunch
 
-    from tritonep import nvl_bytes_for
-    from tritonep.backends.nvlink import backend as nvlink_backend
-    from tritonep.backends.nvlink.normal import combine_copy_engine
-    from tritonep.backends.nvlink.normal import replay as normal_repeat
+    from tritonep.backends.nvlink.normal import combine_copy_engine, replay
+    from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
+    from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
     from tritonep.runtime import launcher
+
+    launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL)
+    saved = (launcher.INTERPRET, launcher._Setup, launcher.current_stream, replay.current_stream,
+             [(item.kernel, dict(item.setups)) for item in launchers])
+    try:
+        launcher.INTERPRET = False
+        launcher._Setup = RecordedLaunch
+        launcher.current_stream = replay.current_stream = lambda: 7
+        for item in launchers:
+            item.kernel = NoKernel(item.kernel)
+        yield
+    finally:
+        launcher.INTERPRET, launcher._Setup, launcher.current_stream, replay.current_stream, kernels = saved
+        for item, (kernel, setups) in zip(launchers, kernels):
+            item.kernel = kernel
+            item.setups.clear()
+            item.setups.update(setups)
+
+
+def _status_word_in_every_launch(status_address: int) -> bool:
+    """Every dispatch and combine launch learnt so far passes the status word as
+    ``StatusWord.address``: what Triton makes of the pinned tensor the engine passes."""
+    from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
+    from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
+    from tritonep.runtime.launcher import argument_positions
+
+    setups = [(launcher, setup) for launcher in (DISPATCH, COMBINE) for setup in launcher.setups.values()]
+    return bool(setups) and all(setup.args[argument_positions(launcher.kernel, "status_ptr")[0]] == status_address
+                                for launcher, setup in setups)
+
+
+def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
+    from nvlink_cases import count_replays, make_buffer
+    from test_low_latency_fast import RecordedLaunch
+
+    from tritonep import nvl_bytes_for
 
     R = group.size()
     generator = torch.Generator().manual_seed(group.rank())
@@ -61,6 +104,7 @@ def repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
 
     buffer = make_buffer(group, "nvlink", num_nvl_bytes=nvl_bytes_for(TOKENS, HIDDEN, R), explicitly_destroy=True)
     backend = buffer.backend
+    state = backend.normal.state
     topk_idx = torch.rand(TOKENS, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
     weights = torch.rand(TOKENS, TOPK, generator=generator, dtype=torch.float32)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, EXPERTS)
@@ -68,86 +112,91 @@ def repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
         bf16(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk_idx, topk_weights=weights)
     rows = recv_x.shape[0]
-    plan = handle.backend_state
     problems: list[str] = []
 
-    def both_paths(call: Callable[[], object], attribute: str, counters: tuple[str, str]) -> None:
-        """``call`` through each path from the same host state (``counters`` of the backend);
-        ``attribute``: where the handle's plan keeps the repeat."""
-        before = tuple(getattr(backend, counter) for counter in counters)
-        learnt, runs = getattr(plan, attribute), []
-        for use_repeat in (True, False):
+    def both_paths(call: Callable[[], object], counters: tuple[str, str], what: str) -> None:
+        """``call`` through its replay, then through the general path, from the same counters."""
+        before = tuple(getattr(state, counter) for counter in counters)
+        learnt, runs = handle.replays, []
+        for through_replay in (True, False):
             for counter, value in zip(counters, before):
-                setattr(backend, counter, value)
-            setattr(plan, attribute, learnt if use_repeat else None)
+                setattr(state, counter, value)
+            handle.replays = learnt if through_replay else ReplayTable()   # (what the general run learns goes)
             RecordedLaunch.log = []
             result = call()[:2]   # (recv_x, None) or (combined_x, combined_topk_weights)
             runs.append((_named(RecordedLaunch.log, result), _shapes(result),
-                         tuple(getattr(backend, counter) for counter in counters)))
-        setattr(plan, attribute, learnt)
+                         tuple(getattr(state, counter) for counter in counters)))
+        handle.replays = learnt
         if runs[0] != runs[1]:
-            problems.append(f"{attribute}: repeat {runs[0]} != general {runs[1]}")
+            problems.append(f"{what}: replay {runs[0]} != general {runs[1]}")
 
-    def expect_error(call: Callable[[], object], words: str) -> None:
+    def expect_error(call: Callable[[], object], error: type[Exception], words: str) -> None:
         try:
             call()
             problems.append(f"no error (expected one about {words})")
-        except deep_ep.InputError as error:
-            if words not in str(error):
-                problems.append(f"unexpected error: {error}")
+        except error as raised:
+            if words not in str(raised):
+                problems.append(f"unexpected error: {raised}")
 
-    launchers = (nvlink_backend._DISPATCH, nvlink_backend._COMBINE, combine_copy_engine._WEIGHTS,
-                 combine_copy_engine._SIGNAL)
-    saved = (launcher.INTERPRET, launcher._Setup, launcher.current_stream, normal_repeat.current_stream,
-             [(item.kernel, dict(item.setups)) for item in launchers])
-    taken = count_repeats(backend)
+    def served(taken: dict[str, int], wanted: dict[str, int], what: str) -> None:
+        if taken != wanted:
+            problems.append(f"{what}: replays served {taken}, expected {wanted}")
+
     try:
-        launcher.INTERPRET = False
-        launcher._Setup = RecordedLaunch
-        launcher.current_stream = normal_repeat.current_stream = lambda: 7
-        for item in launchers:
-            item.kernel = NoKernel(item.kernel)
-        # Cached dispatch, bf16 and fp8; then combine with and without top-k weights.
-        for make_x in (bf16, lambda: deep_ep.utils.per_token_cast_to_fp8(bf16())):
-            buffer.dispatch(make_x(), handle=handle)   # the general path learns
-            for _ in range(CALLS):
-                both_paths(functools.partial(buffer.dispatch, make_x(), handle=handle), "repeat",
-                           ("dispatch_epoch", "dispatch_released"))
-        for topk_weights in (recv_weights, None):
-            buffer.combine(bf16(rows), handle, topk_weights)   # the general path learns
-            for _ in range(CALLS):
-                both_paths(functools.partial(buffer.combine, bf16(rows), handle, topk_weights), "combine_repeat",
-                           ("combine_epoch", "combine_released"))
-        wanted = {"repeat_cached_dispatch": 2 * CALLS, "repeat_combine": 2 * CALLS}
-        if taken != wanted:
-            problems.append(f"the repeat paths took {taken} calls, expected {wanted}")
-        # Declined (the general path serves them, and learns each): other scale strides, then
-        # bf16 again, then another num_sms; a combine with other num_sms, with a bias.
-        x_fp8, scales = deep_ep.utils.per_token_cast_to_fp8(bf16())
-        buffer.dispatch((x_fp8, scales.t().contiguous().t()), handle=handle)
-        buffer.dispatch(bf16(), handle=handle)
-        buffer.dispatch(bf16(), handle=handle, config=deep_ep.Config(deep_ep.Buffer.num_sms + 2))
-        buffer.combine(bf16(rows), handle, config=deep_ep.Config(deep_ep.Buffer.num_sms + 2))
-        buffer.combine(bf16(rows), handle, bias=bf16())
-        if taken != wanted:
-            problems.append(f"the repeat paths took calls they were not learnt for: {taken}")
-        # Wrong inputs: the general path's errors.
-        expect_error(lambda: buffer.dispatch(bf16(hidden=2 * HIDDEN)[:, :HIDDEN], handle=handle), "contiguous")
-        expect_error(lambda: buffer.dispatch(bf16(tokens=TOKENS + 1), handle=handle), "tokens")
-        expect_error(lambda: buffer.combine(bf16(rows + 1), handle), "shape")
-        expect_error(lambda: buffer.combine(bf16(rows), handle, recv_weights.double()), "dtype")
+        with launches_recorded(), count_replays() as taken:
+            # Cached dispatch, bf16 and fp8; then combine with and without top-k weights.
+            for make_x in (bf16, lambda: deep_ep.utils.per_token_cast_to_fp8(bf16())):
+                buffer.dispatch(make_x(), handle=handle)   # the general path learns
+                for _ in range(CALLS):
+                    both_paths(functools.partial(buffer.dispatch, make_x(), handle=handle), DISPATCH_COUNTERS,
+                               "cached dispatch")
+            for topk_weights in (recv_weights, None):
+                buffer.combine(bf16(rows), handle, topk_weights)   # the general path learns
+                for _ in range(CALLS):
+                    both_paths(functools.partial(buffer.combine, bf16(rows), handle, topk_weights), COMBINE_COUNTERS,
+                               "combine")
+            wanted = {"cached_dispatch": 2 * CALLS, "combine": 2 * CALLS, "low_latency": 0}
+            served(taken, wanted, "learnt calls")
+            if not _status_word_in_every_launch(state.status.address):
+                problems.append("a launch does not pass the status word's address")
+            # Declined (the general path serves them): other scale strides; another num_sms and
+            # a bias (no replay under their keys).
+            x_fp8, scales = deep_ep.utils.per_token_cast_to_fp8(bf16())
+            buffer.dispatch((x_fp8, scales.t().contiguous().t()), handle=handle)
+            buffer.dispatch(bf16(), handle=handle, config=deep_ep.Config(deep_ep.Buffer.num_sms + 2))
+            buffer.combine(bf16(rows), handle, config=deep_ep.Config(deep_ep.Buffer.num_sms + 2))
+            buffer.combine(bf16(rows), handle, bias=bf16())
+            # Declined for the engine's state: a time-out to report (the general path raises it),
+            # a num_worst_tokens dispatch's counts to check, new kernel shapes.
+            state.status.view[0] = 1
+            expect_error(lambda: buffer.dispatch(bf16(), handle=handle), RuntimeError, "timed out")
+            expect_error(lambda: buffer.combine(bf16(rows), handle), RuntimeError, "timed out")
+            state.status.clear()
+            state.unchecked_padding = (state.notify_epoch, 1 << 30)
+            buffer.dispatch(bf16(), handle=handle)
+            state.unchecked_padding = (state.notify_epoch, 1 << 30)
+            buffer.combine(bf16(rows), handle)
+            served(taken, wanted, "declined calls")
+            backend.tuning = backend.tuning   # a new launch generation: learnt again, then served
+            for _ in range(2):
+                buffer.dispatch(bf16(), handle=handle)
+                buffer.combine(bf16(rows), handle)
+            served(taken, {**wanted, "cached_dispatch": wanted["cached_dispatch"] + 1,
+                           "combine": wanted["combine"] + 1}, "calls after new kernel shapes")
+            # Wrong inputs: the replays decline, the general path raises.
+            expect_error(lambda: buffer.dispatch(bf16(hidden=2 * HIDDEN)[:, :HIDDEN], handle=handle),
+                         deep_ep.InputError, "contiguous")
+            expect_error(lambda: buffer.dispatch(bf16(tokens=TOKENS + 1), handle=handle), deep_ep.InputError,
+                         "tokens")
+            expect_error(lambda: buffer.combine(bf16(rows + 1), handle), deep_ep.InputError, "shape")
+            expect_error(lambda: buffer.combine(bf16(rows), handle, recv_weights.double()), deep_ep.InputError,
+                         "dtype")
     finally:
-        launcher.INTERPRET, launcher._Setup, launcher.current_stream, normal_repeat.current_stream, kernels = saved
-        for item, (kernel, setups) in zip(launchers, kernels):
-            item.kernel = kernel
-            item.setups.clear()
-            item.setups.update(setups)
-        uncount_repeats(backend, taken)
         buffer.destroy()
     return problems
 
 
-def test_repeats_launch_what_the_general_path_launches(interpreter_pools) -> None:
+def test_replays_launch_what_the_general_path_launches(interpreter_pools) -> None:
     for num_ranks in (1, 2):
-        problems = interpreter_pools(num_ranks).run(repeats_match_general_path)
+        problems = interpreter_pools(num_ranks).run(replays_match_general_path)
         assert problems == [[]] * num_ranks

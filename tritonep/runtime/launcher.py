@@ -71,12 +71,6 @@ def resident_programs(kernel: Any, args: tuple, constants: dict[str, Any], num_w
     return min(wanted, properties.multi_processor_count * per_multiprocessor)
 
 
-def argument_positions(kernel: Any, *names: str) -> tuple[int, ...]:
-    """Where the arguments ``names`` are in ``kernel``'s raw argument lists (a replay writes its
-    call's values there)."""
-    return tuple(kernel.arg_names.index(name) for name in names)
-
-
 def aligned(*addresses: int) -> bool:
     """Every address 16-byte aligned: what Triton specialises pointers on, so what a learnt
     launch may assume of the tensors a replay writes into it."""
@@ -89,6 +83,13 @@ def aligned(*addresses: int) -> bool:
 def current_stream() -> int:
     """The raw handle of the current CUDA stream, without making a torch Stream object."""
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+def argument_positions(kernel: Any, *names: str) -> tuple[int, ...]:
+    """Where the arguments ``names`` sit in ``kernel``'s argument list, and so in the raw list of
+    a launch of it (``_Setup.args``): the places a replay rewrites, found by name so that the
+    kernel's signature may be regrouped."""
+    return tuple(kernel.arg_names.index(name) for name in names)
 
 
 class _Setup:

@@ -3,9 +3,9 @@
 Every rank allocates the same number of bytes; peers reach each other's allocation through
 the pointer table ``peer_base_ptrs`` (int64 [R], on the device). The allocation starts with
 the signal area (int64 counters that peers write with release stores, then the count-exchange
-slots), followed by the data area, split in two halves: rows received by dispatch and rows
-received by combine. Separate halves let a fast rank start its combine while a slow peer is
-still copying dispatch rows out.
+slots), followed by the data area, split in two halves in normal mode (``StagingLayout``): rows
+received by dispatch and rows received by combine. Separate halves let a fast rank start its
+combine while a slow peer is still copying dispatch rows out.
 
 On GPUs the allocation comes from torch symmetric memory (CUDA backend, no multicast). Under
 ``TRITON_INTERPRET=1`` (CPU tests) each rank's allocation is a shared file in /dev/shm that
@@ -70,6 +70,37 @@ class SignalLayout:
         return round_up(self.notify_payload * 8 + payload_bytes, 4096)
 
 
+@dataclass(frozen=True)
+class StagingLayout:
+    """The normal mode's staging in the data area: dispatch receives rows into the first half,
+    combine into the second. Each half holds as many rows of a call's shape as fit (a multiple
+    of 16), every row field in a region of its own, one after the other."""
+
+    start: int          # byte offset of the data area (a multiple of 4096)
+    half_bytes: int     # bytes per half (a multiple of 4096)
+
+    @staticmethod
+    def of(memory: SymmetricBuffer) -> StagingLayout:
+        return StagingLayout(memory.data_offset, memory.data_bytes // 2 // 4096 * 4096)
+
+    def dispatch(self, x_words: int, scale_words: int, num_topk: int) -> tuple[int, list[int]]:
+        """(rows, byte offsets of the x, scales, top-k ids, top-k weights and source-index
+        regions) for dispatch rows of ``x_words`` 4-byte words, ``scale_words`` and ``num_topk``."""
+        row_bytes = 4 * x_words + 4 * scale_words + 12 * num_topk + 4
+        capacity = self.half_bytes // row_bytes // 16 * 16
+        offsets, cursor = [], self.start
+        for width in (4 * x_words, 4 * scale_words, 8 * num_topk, 4 * num_topk, 4):
+            offsets.append(cursor)
+            cursor += capacity * width
+        return capacity, offsets
+
+    def combine(self, hidden: int, num_topk: int) -> tuple[int, list[int]]:
+        """(rows, byte offsets of the x and top-k weights regions) for bf16 combine rows."""
+        capacity = self.half_bytes // (2 * hidden + 4 * num_topk) // 16 * 16
+        start = self.start + self.half_bytes
+        return capacity, [start, start + capacity * 2 * hidden]
+
+
 class SymmetricBuffer:
     """``nbytes`` of data (plus the signal area) on every rank, mapped by every peer.
 
@@ -123,8 +154,7 @@ class SymmetricBuffer:
         Each peer gets an export of its own. torch counts the users of an exported block with
         one counter per export, which its one receiver decrements when it lets go: one export
         shared by several peers was decremented once per peer, wrapped below zero, and kept
-        the block allocated for good (1.5 GiB per rank per Buffer at 4 ranks,
-        docs/benchmarks/2026-11-25-h100x1-s10)."""
+        the block allocated for good (every Buffer's whole allocation, on every rank)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.local = on_every_rank(self.group, lambda: torch.empty(total, dtype=torch.uint8, device=device),

@@ -19,15 +19,17 @@ peers in one small kernel on the caller's stream (``push_combine_weights``); the
 start after it, so every tail word is written after the weights it publishes.
 
 Host cost: each operation on a side stream costs the host microseconds, and an EP8 combine has
-7 peers. Measured on an H200 host where a torch ``add_`` costs 10 us
-(``scripts/copy_engine_host_probe.py``): a ``cuMemcpyDtoDAsync`` 10-12 us (through
-cuda-bindings, ctypes or ``cuMemcpyBatchAsync`` alike), a ``cuStreamWriteValue64`` 2.5-3 us,
-a side stream's fork and join 8 us. With cuda-bindings installed (and the GPU supporting
-stream memory operations) a piece is those two driver calls, the tail word written by the
+7 peers. A copy costs about what a small kernel launch costs (through cuda-bindings, ctypes or
+``cuMemcpyBatchAsync`` alike), a stream memory write a fraction of that, and a side stream's
+fork and join about a copy. With cuda-bindings installed (and the GPU supporting stream memory
+operations) a piece is a copy and a ``cuStreamWriteValue64``: the tail word is written by the
 stream itself, which the driver orders after the copy with a memory barrier. Otherwise it is
 torch's ``copy_`` and a one-program signal kernel, same semantics (``Tuning.combine_driver=
 False`` chooses it). By default ``pieces_per_peer`` picks fewer pieces per peer as the peers
 grow in number, so that the host's issue stays well under the copies' own time.
+
+``CombineCopier`` is that side work for one engine: the general path and the combine's replay
+(``replay.py``) both call it.
 
 Staging reuse: the reduction's last program waits until every peer's reducers finished the
 call (``combine_kernel.release_staging``), and the next combine's weights kernel and copies
@@ -44,11 +46,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonep.backends.nvlink.memory import MAX_CHANNELS
+from tritonep.backends.nvlink.memory import MAX_CHANNELS, SymmetricBuffer
 from tritonep.device.rows import block_count, block_start
 from tritonep.device.signals import fence_system, publish
 from tritonep.runtime.launcher import FastLauncher, current_stream
 from tritonep.runtime.platform import GPU_KERNELS
+from tritonep.runtime.side_streams import PeerStreams
 
 
 @triton.jit(do_not_specialize=["peer", "tail_index", "value"])
@@ -58,7 +61,7 @@ def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
     publish(peer_base.to(tl.pointer_type(tl.int64)) + tail_index, value)
 
 
-# Per launch only these change; ``peer_base_ptrs`` is fixed per backend (the caller's ``owner``).
+# Per launch only these change; ``peer_base_ptrs`` is fixed per engine (the caller's ``owner``).
 _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_index", "value"))
 
 
@@ -90,15 +93,16 @@ def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weig
 
 _WEIGHTS = FastLauncher(combine_weights_kernel, changing=("weights_ptr", "prefix_ptr"))
 
-# Pieces in all (over the peers) that a combine's host issue may cost by default: 8 pieces are
-# about 110 us of host on the slow hosts measured (module docstring), a third of an EP8 combine.
+# Pieces in all (over the peers) that a combine's host issue may cost by default: each piece
+# costs the host about a kernel launch (module docstring), and more than 8 of them would be a
+# large part of an EP8 combine's time on slow hosts.
 MAX_PIECES = 8
 
 
 def pieces_per_peer(num_ranks: int, requested: int) -> int:
     """Pieces per peer: ``requested`` if set (> 0), else 2 while the peers are few and 1 from
     EP6 on (EP8: 7 pieces). A piece lets the reduction start earlier, but costs the host a copy
-    and a stream write; 2 measured as fast as 4 and faster than 8 at EP2."""
+    and a stream write: past 2 per peer the host's cost outweighs the earlier start."""
     if requested > 0:
         return requested
     return max(1, min(2, MAX_PIECES // max(num_ranks - 1, 1)))
@@ -108,11 +112,41 @@ def push_combine_weights(topk_weights: torch.Tensor, rank_prefix_matrix: torch.T
                          staging_weights: int, rank: int, num_ranks: int, owner: object) -> None:
     """Launch ``combine_weights_kernel`` on the current stream: every peer's top-k weights, one
     program per peer. ``owner``: a key that stands for ``peer_base_ptrs``, ``rank`` and
-    ``num_ranks`` (equal keys, equal values; the backend's launch key)."""
+    ``num_ranks`` (equal keys, equal values; the engine's launch generation)."""
     num_topk = topk_weights.shape[1]
     _WEIGHTS(num_ranks - 1, (owner, staging_weights, num_topk),
              (topk_weights, rank_prefix_matrix, peer_base_ptrs, staging_weights, rank),
              lambda: dict(NUM_RANKS=num_ranks, NUM_TOPK=num_topk, BLOCK=1024, GPU=GPU_KERNELS), 4)
+
+
+class CombineCopier:
+    """The copy-engine combine's side work for one engine and tuning: the top-k weights to every
+    peer (on the current stream: the tail words publish them), then each peer's rows in pieces on
+    that peer's side stream of ``streams``, which the caller joins after the reduction's launch.
+
+    ``driver``: from ``driver_memory_operations``, or None for torch's copies and the signal
+    kernel. ``owner``: a key that stands for ``memory``, ``rank`` and ``num_ranks`` in the
+    launches' setup keys (the engine's launch generation)."""
+
+    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner")
+
+    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object) -> None:
+        self.memory, self.rank, self.num_ranks = memory, memory.rank, memory.num_ranks
+        self.streams, self.driver, self.owner = streams, driver, owner
+
+    def fork(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
+             rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int, epoch: int) -> None:
+        """Start combine ``epoch``'s side work: ``copies`` from ``combine_copies``, ``regions``
+        the combine's staging regions (x, weights), ``pieces`` per peer."""
+        if not copies:   # no rows go to a peer (one rank, or all stay here): nothing to send
+            return
+        memory = self.memory
+        if topk_weights is not None:
+            push_combine_weights(topk_weights, rank_prefix_matrix, memory.peer_base_ptrs, regions[1], self.rank,
+                                 self.num_ranks, self.owner)
+        self.streams.fork(combine_copy_jobs(
+            x, copies, memory.peers, memory.peer_base_ptrs, regions[0], memory.signals.combine_tail, self.rank, epoch,
+            pieces, self.owner, self.driver))
 
 
 def driver_memory_operations(device: torch.device) -> Any:

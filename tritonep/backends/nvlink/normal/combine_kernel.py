@@ -30,6 +30,7 @@ import triton.language as tl
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
 from tritonep.device.signals import add_release, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT
+from tritonep.runtime.launcher import FastLauncher
 
 
 @triton.jit
@@ -43,10 +44,22 @@ def _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank", "epoch", "released_target", "num_tokens", "capacity", "timeout_ns"])
 def combine_kernel(
-    x_ptr, x_words_ptr, weights_ptr, prefix_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr,
-    out_ptr, out_weights_ptr, num_tokens, hidden,
-    peer_base_ptrs, staging_x, staging_weights, capacity,
-    rank, epoch, released_target, status_ptr, timeout_ns,
+    # Inputs: the rows to return (bf16, and the same memory as 4-byte words), their top-k weights
+    # and the biases (x where absent: never read).
+    x_ptr, x_words_ptr, weights_ptr, bias0_ptr, bias1_ptr, hidden,
+    # Send plan (the handle's): rank_prefix_matrix, which ranks each token went to, and its
+    # position in each rank's send list.
+    prefix_ptr, is_token_in_rank_ptr, send_pos_ptr,
+    # Outputs: the combined tokens and their weights (out where absent).
+    out_ptr, out_weights_ptr, num_tokens,
+    # Staging area: every rank's allocation, this rank, the byte offsets of the combine regions
+    # (memory.StagingLayout) and the rows they hold.
+    peer_base_ptrs, rank, staging_x, staging_weights, capacity,
+    # Call counters: this call's epoch, and the reducer programs all earlier calls counted.
+    epoch, released_target,
+    # Status: where a wait that gives up reports (pinned host memory), and after how long.
+    status_ptr, timeout_ns,
+    # Signal words, program roles, row fields, tile shape.
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_REDUCERS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
@@ -220,3 +233,10 @@ def _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, 
                 needed = tl.minimum(last, (channel + 1) * chunk) - channel * chunk
                 wait_at_least(my_signals + TAIL_WORD + peer * MAX_CHANNELS + channel, stamp + needed, status_ptr,
                               timeout_ns, PHASE_COMBINE_DATA, peer, GPU)
+
+
+# A launch converts only these arguments per call; the others are fixed per Buffer and tuning
+# or by the call's shape and options, which the caller's setup key stands for.
+COMBINE = FastLauncher(combine_kernel, changing=(
+    "x_ptr", "x_words_ptr", "weights_ptr", "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "bias0_ptr",
+    "bias1_ptr", "out_ptr", "out_weights_ptr", "num_tokens", "epoch", "released_target"))

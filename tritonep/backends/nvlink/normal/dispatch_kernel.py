@@ -3,7 +3,7 @@
 After the count exchange every rank knows ``rank_prefix_matrix``, so it knows exactly where
 each of its rows lands at each destination: block start (rows from lower ranks) plus the
 row's position in its send list. There is no ring buffer and no flow control inside a call.
-The kernel runs as two launches (``SEND``), which the backend puts on two streams:
+The kernel runs as two launches (``SEND``), which the engine puts on two streams:
 
 * **The send half** (``NUM_SENDERS`` programs) splits each peer's send list into
   ``NUM_SENDERS`` channels, gathers the rows from ``x`` and stores them into the peer's
@@ -33,6 +33,7 @@ import triton.language as tl
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
 from tritonep.device.signals import add_release, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT
+from tritonep.runtime.launcher import FastLauncher
 
 
 @triton.jit
@@ -105,11 +106,23 @@ def _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NU
 @triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "guard_word",
                                "capacity", "timeout_ns", "scale_words", "token_list_stride"])
 def dispatch_kernel(
-    x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride,
-    topk_idx_ptr, topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr,
+    # Inputs: the rows as 4-byte words, their scales (any strides; x where absent), the top-k ids
+    # and weights (x where absent), and the experts per rank that turn ids into local ones.
+    x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr, topk_weights_ptr,
+    experts_per_rank,
+    # Send plan: each rank's token list (notify_kernel.py) and rank_prefix_matrix.
+    token_list_ptr, token_list_stride, prefix_ptr,
+    # Outputs, ``num_out_rows`` rows of each (the send half gets placeholders), and the guard of a
+    # receive launched before the host read the counts (``_receive_goes_ahead``).
     out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows, guard_word,
-    peer_base_ptrs, staging_x, staging_scales, staging_idx, staging_weights, staging_src, capacity,
-    rank, epoch, released_target, experts_per_rank, status_ptr, timeout_ns,
+    # Staging area: every rank's allocation, this rank, the byte offsets of the regions of each row
+    # field (memory.StagingLayout) and the rows they hold.
+    peer_base_ptrs, rank, staging_x, staging_scales, staging_idx, staging_weights, staging_src, capacity,
+    # Call counters: this call's epoch, and the receiver programs all earlier calls counted.
+    epoch, released_target,
+    # Status: where a wait that gives up reports (pinned host memory), and after how long.
+    status_ptr, timeout_ns,
+    # Signal words, program roles, row fields, tile shape.
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr, SEND: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
@@ -161,8 +174,8 @@ def dispatch_kernel(
                 # itself, so bounds taken from what each one saw can differ between threads, and
                 # this loop holds CTA barriers (the one ending every wait) that all threads must
                 # pass equally often. With per-thread bounds a program could release the peer's
-                # staging while some of its threads were still copying from it (a rare wrong-
-                # scales failure on 2 x H200, 2026-11-24).
+                # staging while some of its threads were still copying from it (rarely, wrong
+                # scales in the output).
                 arrived = tl.minimum(done + ROWS * SIGNAL_EVERY, hi - lo)
                 seen = wait_at_least(tail, stamp + arrived, status_ptr, timeout_ns, PHASE_DISPATCH_DATA, source, GPU)
                 # A timed-out wait returns far above any count: give up on the channel rather
@@ -201,3 +214,11 @@ def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, 
                   rows, mask, NUM_TOPK, 16, True)
     src = tl.load((base + staging_src).to(tl.pointer_type(tl.int32)) + rows, mask=mask, cache_modifier=".cg")
     tl.store(out_src_ptr + rows, src, mask=mask)
+
+
+# A launch converts only these arguments per call; the others are fixed per Buffer and tuning
+# or by the call's shape, which the setup key stands for (``shape.DispatchShape``).
+DISPATCH = FastLauncher(dispatch_kernel, changing=(
+    "x_ptr", "scales_ptr", "scale_token_stride", "scale_col_stride", "topk_idx_ptr", "topk_weights_ptr",
+    "token_list_ptr", "token_list_stride", "prefix_ptr", "out_x_ptr", "out_scales_ptr", "out_idx_ptr",
+    "out_weights_ptr", "out_src_ptr", "num_out_rows", "guard_word", "epoch", "released_target"))

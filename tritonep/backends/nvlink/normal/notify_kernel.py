@@ -119,7 +119,7 @@ def notify_dispatch_kernel(
 
 
 # Per call only these change; the rest (this rank's memory, status, time-out) is fixed per
-# backend, which the caller's ``owner`` key stands for.
+# engine, which the caller's ``owner`` key stands for.
 _NOTIFY = FastLauncher(notify_dispatch_kernel, changing=(
     "is_token_in_rank_ptr", "num_tokens", "num_tokens_per_expert_ptr", "hidden_words", "scale_words", "num_topk",
     "num_experts", "token_list_ptr", "token_list_stride", "send_pos_ptr", "result_ptr", "notify_epoch",
@@ -162,8 +162,8 @@ def notify_dispatch(
     experts_per_rank = num_tokens_per_expert.shape[0] // num_ranks if exchange else 0
     if experts_per_rank > MAX_LOCAL_EXPERTS:
         raise ValueError(f"at most {MAX_LOCAL_EXPERTS} experts per rank are supported, got {experts_per_rank}")
-    # Three allocations: carving them out of one took longer on the host (slicing and viewing a
-    # tensor cost more than allocating one, measured on an H200 machine's host).
+    # Three allocations: carving them out of one takes longer on the host (slicing and viewing a
+    # tensor costs more than allocating one).
     device = is_token_in_rank.device
     token_list = torch.empty(num_ranks, max(num_tokens, 1), dtype=torch.int32, device=device)
     send_pos = torch.empty(num_tokens + 1, num_ranks, dtype=torch.int32, device=device)

@@ -1,23 +1,26 @@
-"""The repeat path of normal-mode calls made with a handle: a few attribute reads and the launches.
+"""The replays of normal-mode calls made with a handle: a few attribute reads and the launches.
 
 Training makes the same handle-based calls again and again: a combine per layer, and a cached
 dispatch (``handle=``) in every layer's backward. The general path checks every argument,
-builds the request, works out the call shape and converts every changing launch argument; on
-an H200 host that cost about 47 us per cached dispatch and per combine beside launches of a few
-microseconds each (docs/benchmarks/2026-11-24-h200x1-s6, run 20), and 130 us on the x2 host
-where DeepEP's took 45 and 36 (2026-11-24-h200x2-s6).
+builds the request, works out the call shape and converts every changing launch argument:
+several times the host time of the launches themselves, which are a few microseconds each.
 
 A ``CachedDispatchReplay`` / ``CombineReplay`` stands for one such call: the handle (its send
-plan holds the objects), the input's dtype, shape and layout, and ``num_sms``. The general path
-makes it after the call (``learn``) from the compiled launches it made (``launcher._Setup``):
-private copies of their raw argument lists, in which a repeat writes only what changes per
-call (the inputs, the new outputs, the epoch and the staging-release target), after checking
-that the inputs still fit what the launches were compiled for (dtype, shape, strides, device,
-16-byte alignment). ``learn`` first checks that the lists hold this call's values at those
-places, so the two paths cannot drift apart unnoticed. Anything else (a time-out report, an
-unchecked ``num_worst_tokens`` dispatch before, other kernel shapes, bias, events) returns None
-and the caller takes the general path, which raises where it must. The combine's copy-engine
-side work (weights and row pieces to the peers) is the backend's, shared with the general path.
+plan holds the objects), the input's dtype, shape and layout, and ``num_sms`` (the front end's
+key, ``core/replay.py``). The engine makes it after a general call (``learn``) from the
+compiled launches that call made (``launcher._Setup``): private copies of their raw argument
+lists, in which a replay writes only what changes per call (the inputs, the new outputs, the
+epoch and the staging-release target), after checking that the inputs still fit what the
+launches were compiled for (dtype, shape, strides, device, 16-byte alignment). ``learn`` first
+checks that the lists hold this call's values at those places, so the two paths cannot drift
+apart unnoticed. Anything else (a time-out report, an unchecked ``num_worst_tokens`` dispatch
+before, other kernel shapes) returns None and the caller takes the general path, which raises
+where it must.
+
+A replay holds the engine's ``NormalState`` (the epochs and release counters it advances, the
+status word, the side streams, the launch generation), never the engine, so the two paths
+share one state; the combine's copy-engine side work is the engine's ``CombineCopier``, the
+same object the general path calls.
 """
 
 from __future__ import annotations
@@ -26,25 +29,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tritonep.backends.nvlink.normal.combine_copy_engine import CombineCopier
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
-from tritonep.runtime.launcher import current_stream
+from tritonep.backends.nvlink.normal.state import NormalState
+from tritonep.runtime.launcher import argument_positions, current_stream
 
 if TYPE_CHECKING:
-    from tritonep.backends.nvlink.backend import NvlinkBackend
     from tritonep.core.handles import DispatchHandle
-
-
-def _positions(kernel: Any, *names: str) -> tuple[int, ...]:
-    return tuple(kernel.arg_names.index(name) for name in names)
 
 
 # Where the per-call values go in the launches' argument lists. A cached dispatch passes no
 # top-k, and a combine no bias or weights, as x's address (never read).
-_D_X, _D_SCALES, _D_TOPK_IDX, _D_TOPK_WEIGHTS, _D_OUT_X, _D_OUT_SCALES, _D_EPOCH, _D_RELEASED = _positions(
+_D_X, _D_SCALES, _D_TOPK_IDX, _D_TOPK_WEIGHTS, _D_OUT_X, _D_OUT_SCALES, _D_EPOCH, _D_RELEASED = argument_positions(
     dispatch_kernel, "x_ptr", "scales_ptr", "topk_idx_ptr", "topk_weights_ptr", "out_x_ptr", "out_scales_ptr",
     "epoch", "released_target")
-_C_X, _C_X_WORDS, _C_BIAS0, _C_BIAS1, _C_WEIGHTS, _C_OUT, _C_OUT_WEIGHTS, _C_EPOCH, _C_RELEASED = _positions(
+_C_X, _C_X_WORDS, _C_BIAS0, _C_BIAS1, _C_WEIGHTS, _C_OUT, _C_OUT_WEIGHTS, _C_EPOCH, _C_RELEASED = argument_positions(
     combine_kernel, "x_ptr", "x_words_ptr", "bias0_ptr", "bias1_ptr", "weights_ptr", "out_ptr", "out_weights_ptr",
     "epoch", "released_target")
 
@@ -61,15 +61,15 @@ def _layout(tensor: torch.Tensor | None) -> tuple | None:
     return tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device()
 
 
-def _fitting_addresses(repeat: CachedDispatchReplay | CombineReplay, main: torch.Tensor,
+def _fitting_addresses(replay: CachedDispatchReplay | CombineReplay, main: torch.Tensor,
                        other: torch.Tensor | None) -> tuple[int, int] | None:
     """(main's address, other's or else main's) when a call with these inputs fits what
-    ``repeat`` learnt, else None: another layout, a misaligned input, or a
-    backend whose state sends every call through the general path (other kernel shapes, a
-    time-out to report, a num_worst_tokens dispatch whose counts are still to be checked)."""
-    backend = repeat.backend
-    if (backend._launch_key != repeat.launch_key or backend._status_host[0]
-            or backend._unchecked_padding is not None or (_layout(main), _layout(other)) != repeat.layout):
+    ``replay`` learnt, else None: another layout, a misaligned input, or an engine state
+    that sends every call through the general path (other kernel shapes, a time-out to
+    report, a num_worst_tokens dispatch whose counts are still to be checked)."""
+    state = replay.state
+    if (state.launch_generation != replay.launch_generation or replay.status_view[0]
+            or state.unchecked_padding is not None or (_layout(main), _layout(other)) != replay.layout):
         return None
     main_address = main.data_ptr()
     other_address = main_address if other is None else other.data_ptr()
@@ -77,12 +77,15 @@ def _fitting_addresses(repeat: CachedDispatchReplay | CombineReplay, main: torch
 
 
 class CachedDispatchReplay:
-    __slots__ = ("backend", "launch_key", "layout", "rows", "scale_words", "receivers", "send",
-                 "send_args", "receive", "receive_args", "send_job")
+    """A cached dispatch of one handle, input layout and num_sms: its send and receive launches."""
 
-    def __init__(self, backend: NvlinkBackend, x: torch.Tensor, scales: torch.Tensor | None,
-                 send: Any, receive: Any, rows: int, scale_words: int, receivers: int) -> None:
-        self.backend, self.launch_key = backend, backend._launch_key
+    __slots__ = ("state", "launch_generation", "status_view", "device", "layout", "rows", "scale_words", "receivers",
+                 "send", "send_args", "receive", "receive_args", "send_job")
+
+    def __init__(self, state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, send: Any, receive: Any,
+                 rows: int, scale_words: int, receivers: int) -> None:
+        self.state, self.launch_generation = state, state.launch_generation
+        self.status_view, self.device = state.status.view, state.device
         self.layout = (_layout(x), _layout(scales))
         self.rows, self.scale_words, self.receivers = rows, scale_words, receivers
         self.send, self.receive = send, receive
@@ -93,13 +96,13 @@ class CachedDispatchReplay:
         self.send_job = None if send is None else lambda: send(current_stream(), send_args)
 
     @staticmethod
-    def learn(backend: NvlinkBackend, x: torch.Tensor, scales: torch.Tensor | None, send: Any, receive: Any,
-              recv_x: torch.Tensor, recv_scales: torch.Tensor | None, rows: int, scale_words: int,
+    def learn(state: NormalState, num_ranks: int, x: torch.Tensor, scales: torch.Tensor | None, send: Any,
+              receive: Any, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, rows: int, scale_words: int,
               receivers: int, epoch: int, released: int) -> CachedDispatchReplay | None:
-        """The repeat of the cached dispatch the general path just launched (``send``, None with
+        """The replay of the cached dispatch the general path just launched (``send``, None with
         one rank, and ``receive``: the compiled launches it made), or None when it launched none
-        (the interpreter) or when the lists do not hold this call's values where a repeat writes."""
-        if receive is None or (backend.num_ranks > 1) != (send is not None) or not x.is_contiguous():
+        (the interpreter) or when the lists do not hold this call's values where a replay writes."""
+        if receive is None or (num_ranks > 1) != (send is not None) or not x.is_contiguous():
             return None
         x_address = x.data_ptr()
         inputs = {_D_X: x_address, _D_SCALES: x_address if scales is None else scales.data_ptr(),
@@ -109,7 +112,7 @@ class CachedDispatchReplay:
             outputs[_D_OUT_SCALES] = recv_scales.data_ptr()
         if not _holds(receive, {**inputs, **outputs}) or (send is not None and not _holds(send, inputs)):
             return None
-        return CachedDispatchReplay(backend, x, scales, send, receive, rows, scale_words, receivers)
+        return CachedDispatchReplay(state, x, scales, send, receive, rows, scale_words, receivers)
 
     def __call__(self, x: torch.Tensor, scales: torch.Tensor | None) -> Any:
         """recv_x (or (recv_x, recv_scales)) of the cached dispatch, or None: take the general path."""
@@ -117,50 +120,57 @@ class CachedDispatchReplay:
         if addresses is None:
             return None
         x_address, scales_address = addresses
-        backend, device = self.backend, self.backend.device
+        state, device = self.state, self.device
         recv_x = torch.empty(self.rows, x.shape[1], dtype=x.dtype, device=device)
         recv_scales = None if scales is None else torch.empty(self.rows, self.scale_words, dtype=scales.dtype,
                                                               device=device)
-        epoch = backend.dispatch_epoch = backend.dispatch_epoch + 1
-        released = backend.dispatch_released
+        epoch = state.dispatch_epoch = state.dispatch_epoch + 1
+        released = state.dispatch_released
         for args in (self.send_args, self.receive_args) if self.send is not None else (self.receive_args,):
             args[_D_X], args[_D_SCALES], args[_D_TOPK_IDX], args[_D_TOPK_WEIGHTS] = \
                 x_address, scales_address, x_address, x_address
             args[_D_EPOCH], args[_D_RELEASED] = epoch, released
         if self.send is not None:
-            backend._send_stream.fork([self.send_job])
+            state.send_stream.fork([self.send_job])
         args = self.receive_args
         args[_D_OUT_X] = recv_x.data_ptr()
         if recv_scales is not None:
             args[_D_OUT_SCALES] = recv_scales.data_ptr()
         self.receive(current_stream(), args)
-        backend._send_stream.join()
-        backend.dispatch_released = released + self.receivers
+        state.send_stream.join()
+        state.dispatch_released = released + self.receivers
         return recv_x if scales is None else (recv_x, recv_scales)
 
 
 class CombineReplay:
-    __slots__ = ("backend", "launch_key", "layout", "plan", "rank_prefix_matrix", "num_tokens", "reducers", "pieces",
-                 "regions", "launch", "args")
+    """A combine without bias of one handle, input layout and num_sms: its launch, and the
+    copy-engine side work before it when the rows cross on the copy engines."""
 
-    def __init__(self, backend: NvlinkBackend, x: torch.Tensor, topk_weights: torch.Tensor | None,
-                 handle: DispatchHandle, launch: Any, num_tokens: int, reducers: int, pieces: int,
-                 regions: list[int]) -> None:
-        self.backend, self.launch_key = backend, backend._launch_key
+    __slots__ = ("state", "launch_generation", "status_view", "device", "layout", "copier", "copies",
+                 "rank_prefix_matrix", "num_tokens", "reducers", "pieces", "regions", "launch", "args")
+
+    def __init__(self, state: NormalState, copier: CombineCopier | None, x: torch.Tensor,
+                 topk_weights: torch.Tensor | None, handle: DispatchHandle, launch: Any, num_tokens: int,
+                 reducers: int, pieces: int, regions: list[int]) -> None:
+        self.state, self.launch_generation = state, state.launch_generation
+        self.status_view, self.device = state.status.view, state.device
         self.layout = (_layout(x), _layout(topk_weights))
         # What the copy-engine side work reads of the handle (not the handle itself: the replay
         # lives in the handle's table, and a cycle would keep its tensors until the cyclic GC).
-        self.plan, self.rank_prefix_matrix = handle.backend_state, handle.rank_prefix_matrix
+        self.copier, self.copies = copier, handle.backend_state.combine_copies
+        self.rank_prefix_matrix = handle.rank_prefix_matrix
         self.num_tokens, self.reducers, self.pieces, self.regions = num_tokens, reducers, pieces, regions
         self.launch, self.args = launch, list(launch.args)
 
     @staticmethod
-    def learn(backend: NvlinkBackend, x: torch.Tensor, topk_weights: torch.Tensor | None, handle: DispatchHandle,
-              launch: Any, out: torch.Tensor, out_weights: torch.Tensor | None, num_tokens: int, reducers: int,
-              pieces: int, regions: list[int], epoch: int, released: int) -> CombineReplay | None:
-        """The repeat of the combine (without bias) the general path just launched, or None when
+    def learn(state: NormalState, copier: CombineCopier | None, x: torch.Tensor, topk_weights: torch.Tensor | None,
+              handle: DispatchHandle, launch: Any, out: torch.Tensor, out_weights: torch.Tensor | None,
+              num_tokens: int, reducers: int, pieces: int, regions: list[int], epoch: int,
+              released: int) -> CombineReplay | None:
+        """The replay of the combine (without bias) the general path just launched, or None when
         it made no compiled launch or the launch's list does not hold this call's values.
-        ``pieces``: pieces per peer on the copy engines, 0 when SM programs send."""
+        ``pieces``: pieces per peer on the copy engines (``copier``'s side work), 0 when SM
+        programs send."""
         if launch is None or not x.is_contiguous():
             return None
         x_address = x.data_ptr()
@@ -170,7 +180,7 @@ class CombineReplay:
                   _C_EPOCH: epoch, _C_RELEASED: released}
         if not _holds(launch, values):
             return None
-        return CombineReplay(backend, x, topk_weights, handle, launch, num_tokens, reducers, pieces, regions)
+        return CombineReplay(state, copier, x, topk_weights, handle, launch, num_tokens, reducers, pieces, regions)
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -179,15 +189,14 @@ class CombineReplay:
         if addresses is None:
             return None
         x_address, weights_address = addresses
-        backend, device = self.backend, self.backend.device
+        state, device = self.state, self.device
         out = torch.empty(self.num_tokens, x.shape[1], dtype=torch.bfloat16, device=device)
         out_weights = None if topk_weights is None else torch.empty(
             self.num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
-        epoch = backend.combine_epoch = backend.combine_epoch + 1
-        released = backend.combine_released
+        epoch = state.combine_epoch = state.combine_epoch + 1
+        released = state.combine_released
         if self.pieces:
-            backend._fork_combine_copies(x, topk_weights, self.plan, self.rank_prefix_matrix, self.regions,
-                                         self.pieces)
+            self.copier.fork(x, topk_weights, self.copies, self.rank_prefix_matrix, self.regions, self.pieces, epoch)
         args = self.args
         args[_C_X], args[_C_X_WORDS], args[_C_BIAS0], args[_C_BIAS1], args[_C_WEIGHTS] = \
             x_address, x_address, x_address, x_address, weights_address
@@ -196,6 +205,6 @@ class CombineReplay:
         args[_C_EPOCH], args[_C_RELEASED] = epoch, released
         self.launch(current_stream(), args)
         if self.pieces:
-            backend._peer_streams.join()
-        backend.combine_released = released + self.reducers
+            state.peer_streams.join()
+        state.combine_released = released + self.reducers
         return out, out_weights

@@ -1,61 +1,56 @@
-"""What a normal-mode dispatch works out once per call shape, and what its handle carries.
+"""What a normal-mode dispatch works out once per call shape.
 
 ``DispatchShape``: everything dispatches of one (x dtype and hidden, scales, top-k, experts,
-num_sms) share: the staging layout, the program split, the kernel constants, the launches'
-setup keys, and the rows the latest fresh dispatch of the shape received, from which the next
-one sizes its outputs before its counts are known (``guess_rows``). ``SendPlan``: what a cached
-dispatch and the combine reuse from the dispatch that made the handle.
+num_sms) share: the staging regions, the program split, the kernel constants, the launches'
+setup keys and fixed argument groups, and the rows the latest fresh dispatch of the shape
+received, from which the next one sizes its outputs before its counts are known
+(``guess_rows``). ``dispatch_outputs`` allocates a dispatch's outputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 
-from tritonep.backends.nvlink.memory import MAX_CHANNELS
+from tritonep.backends.nvlink.memory import MAX_CHANNELS, StagingLayout, SymmetricBuffer
 from tritonep.backends.nvlink.tuning import Tuning, split_programs, tile_block, tile_shape
 from tritonep.runtime.platform import GPU_KERNELS
 
-if TYPE_CHECKING:
-    from tritonep.backends.nvlink.backend import NvlinkBackend
 
+class Placeholders:
+    """One-element tensors passed for absent outputs: the kernel's branches that store to
+    staging or to the output must see pointers of the same element type. Made once per dtype,
+    not on every call."""
 
-@dataclass
-class SendPlan:
-    """What a cached dispatch and the combine reuse from the dispatch that made the handle."""
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._made: dict[torch.dtype, torch.Tensor] = {}
 
-    token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
-    send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
-    host_prefix: list[int] | None = None    # rank_prefix_matrix row-major, when read back
-    # Worked out from host_prefix by the first combine (not on the fresh dispatch's path):
-    counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
-    max_send_rows: int | None = None        # largest number of rows any rank sends
-    combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
-    # Cached dispatches of this handle: where their receive half writes the source indices,
-    # which a cached dispatch does not return (made by the first one).
-    cached_recv_src: torch.Tensor | None = None
+    def __call__(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._made:
+            self._made[dtype] = torch.empty(1, dtype=dtype, device=self._device)
+        return self._made[dtype]
 
 
 @dataclass
 class DispatchShape:
-    """What every dispatch of one shape shares, worked out once per backend and tuning."""
+    """What every dispatch of one shape shares, worked out once per engine and tuning."""
 
     x_words: int
     scale_words: int
     num_topk: int
     experts_per_rank: int
     capacity: int
-    regions: list[int]
     senders: int
     receivers: int
     send_constants: dict
     receive_constants: dict
     send_setup: tuple
     receive_setup: tuple
-    unused_outputs: tuple   # the send half's output arguments: placeholders of the right types
+    unused_outputs: tuple   # the send half's outputs group: placeholders of the right types
+    staging: tuple          # the kernel's staging-area group (dispatch_kernel.py)
     last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
 
     @property
@@ -63,25 +58,29 @@ class DispatchShape:
         return 4 * self.x_words
 
     @staticmethod
-    def make(backend: NvlinkBackend, key: tuple, x_words: int, scale_words: int, num_topk: int, num_experts: int,
-             num_sms: int) -> DispatchShape:
-        R, t = backend.num_ranks, backend.tuning
-        capacity, regions = backend._dispatch_regions(x_words, scale_words, num_topk)
+    def make(key: tuple, x_words: int, scale_words: int, num_topk: int, num_experts: int, num_sms: int, *,
+             tuning: Tuning, memory: SymmetricBuffer, staging: StagingLayout, placeholders: Placeholders,
+             launch_generation: int) -> DispatchShape:
+        """The shape of dispatches keyed ``key`` (rows of ``x_words`` 4-byte words) on ``memory``'s
+        rank; ``launch_generation`` goes into the setup keys (``NormalState``)."""
+        R, t = memory.num_ranks, tuning
+        capacity, regions = staging.dispatch(x_words, scale_words, num_topk)
         senders, receivers = split_programs(num_sms, t.sender_fraction)
         if R == 1:   # nothing to send (no send half is launched): every program copies our own rows
             receivers += senders
         constants = dict(
-            TAIL_WORD=backend.memory.signals.dispatch_tail, DONE_WORD=backend.memory.signals.dispatch_done,
+            TAIL_WORD=memory.signals.dispatch_tail, DONE_WORD=memory.signals.dispatch_done,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=triton.next_power_of_2(max(num_topk, 1)), GPU=GPU_KERNELS, **tile_shape(t.rows, 4 * x_words))
         constants["BLOCK"] = tile_block(t.block, constants["ROWS"], x_words)
-        unused = backend._placeholder(torch.int32)
+        unused = placeholders(torch.int32)
         return DispatchShape(
-            x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, regions, senders,
-            receivers, dict(constants, SEND=True), dict(constants, SEND=False), (backend._launch_key, key, True),
-            (backend._launch_key, key, False),
-            (unused, unused, backend._placeholder(torch.int64), backend._placeholder(torch.float32), unused, 0, 0))
+            x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, senders, receivers,
+            dict(constants, SEND=True), dict(constants, SEND=False), (launch_generation, key, True),
+            (launch_generation, key, False),
+            (unused, unused, placeholders(torch.int64), placeholders(torch.float32), unused, 0, 0),
+            (memory.peer_base_ptrs, memory.rank, *regions, capacity))
 
 
 def guess_rows(shape: DispatchShape, tuning: Tuning) -> int | None:

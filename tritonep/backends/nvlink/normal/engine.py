@@ -1,0 +1,315 @@
+"""Normal mode of the NVLink backend: the host side of dispatch and combine.
+
+Per call the host does little: launch the send-plan/count-exchange kernel, read back the
+receive counts (the one host sync of a fresh dispatch; none with ``num_worst_tokens``),
+allocate outputs, and launch the dispatch's two halves or the combine. A fresh dispatch
+launches both halves before it reads the counts back (the receive half into outputs sized
+from the previous call), so the GPU does not wait for the host. Calls made with a handle hand
+back a replay that repeats their launches (``replay.py``).
+
+The parts, a module each: the state the calls and their replays share (``state.py``), what a
+dispatch shape works out once (``shape.py``), the count exchange's host side (``counts.py``),
+the kernels (``*_kernel.py``), and the copy-engine combine's side work
+(``combine_copy_engine.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+
+from tritonep.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
+from tritonep.backends.nvlink.memory import MAX_CHANNELS, StagingLayout, SymmetricBuffer
+from tritonep.backends.nvlink.normal.combine_copy_engine import (
+    CombineCopier,
+    combine_copies,
+    driver_memory_operations,
+    pieces_per_peer,
+)
+from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
+from tritonep.backends.nvlink.normal.counts import CountExchange
+from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
+from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout
+from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
+from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
+from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
+from tritonep.backends.nvlink.tuning import Tuning, combine_tile_tokens, split_programs, tile_block, tile_shape
+from tritonep.core.checks import InputError
+from tritonep.core.handles import DispatchHandle
+from tritonep.core.routing import count_rows_from_prefix, round_up_counts
+from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
+from tritonep.runtime.status import timeout_error
+
+
+class NormalEngine:
+    """Dispatch layout, dispatch and combine for one Buffer. ``memory``: the staging memory, None
+    for a low-latency-only Buffer (``num_nvl_bytes=0``), whose dispatch and combine then raise."""
+
+    def __init__(self, memory: SymmetricBuffer | None, rank: int, num_ranks: int, buffer_id: int,
+                 device: torch.device, tuning: Tuning) -> None:
+        self.rank, self.num_ranks, self.buffer_id, self.device = rank, num_ranks, buffer_id, device
+        self._memory = memory
+        self.staging = StagingLayout.of(memory) if memory is not None else None
+        self.state = NormalState(device)
+        self.counts = CountExchange(self.state, rank, num_ranks)
+        self.placeholders = Placeholders(device)
+        self._shapes: dict[tuple, DispatchShape] = {}
+        # The copy-engine combine's reducers spin while one-program signal kernels on side
+        # streams must still find an SM: leave a few free.
+        self._max_reducers = MAX_CHANNELS if INTERPRET else \
+            torch.cuda.get_device_properties(device).multi_processor_count - 4
+        # Combine pieces through the driver when cuda-bindings is there (combine_copy_engine.py).
+        self._driver = None if INTERPRET else driver_memory_operations(device)
+        self.tuning = tuning
+
+    @property
+    def tuning(self) -> Tuning:
+        return self._tuning
+
+    @tuning.setter
+    def tuning(self, tuning: Tuning) -> None:
+        """Kernel shapes (scripts and tests swap them per Buffer): the launches learnt under the
+        old ones must not be reused, so they get a new launch generation."""
+        self._tuning = tuning
+        self.timeout_ns = tuning.timeout_ns
+        state = self.state
+        state.new_launch_generation()
+        self._shapes.clear()
+        # The kernels' status group (dispatch_kernel.py, combine_kernel.py): the pinned word's
+        # tensor, which Triton passes as its address (``StatusWord.address``), and the time-out.
+        self._status_args = (state.status.tensor, self.timeout_ns)
+        self.copier = None if self._memory is None else CombineCopier(
+            self._memory, state.peer_streams, self._driver if tuning.combine_driver else None,
+            state.launch_generation)
+
+    @property
+    def memory(self) -> SymmetricBuffer:
+        if self._memory is None:
+            raise InputError("normal-mode dispatch/combine on the NVLink backend needs num_nvl_bytes > 0 for its "
+                             "receive areas; make the Buffer with num_nvl_bytes=tritonep.nvl_bytes_for("
+                             "num_tokens, hidden, num_ranks)")
+        return self._memory
+
+    def check_status(self) -> None:
+        """Raise if a kernel of an earlier call gave up waiting on a peer, or if an earlier
+        num_worst_tokens dispatch received more rows than it had room for."""
+        self.counts.check_padding(self.timeout_ns)
+        code = self.state.status.code   # written by the kernels into host memory: no sync
+        if code:
+            raise timeout_error(code, self.rank, self.timeout_ns, "dispatch/combine calls")
+
+    # ------------------------------------------------------------------ dispatch
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.counts.invalid_ids)
+
+    def _dispatch_shape(self, request: DispatchRequest) -> DispatchShape:
+        """The shape of this call's dispatch, worked out on the first call of its kind."""
+        x, scales = request.x, request.x_scales
+        num_topk = request.topk_idx.shape[1] if request.topk_idx is not None else 0
+        scale_words = scales.shape[1] if scales is not None else 0
+        key = (x.dtype, x.shape[1], scale_words, num_topk, request.num_experts, request.config.num_sms)
+        shape = self._shapes.get(key)
+        if shape is None:
+            row_bytes = x.shape[1] * x.element_size()
+            if row_bytes % 4:
+                raise InputError(f"the NVLink backend moves rows in 4-byte words; hidden={x.shape[1]} of {x.dtype} "
+                                 f"gives {row_bytes} bytes")
+            shape = self._shapes[key] = DispatchShape.make(
+                key, row_bytes // 4, scale_words, num_topk, request.num_experts, request.config.num_sms,
+                tuning=self._tuning, memory=self.memory, staging=self.staging, placeholders=self.placeholders,
+                launch_generation=self.state.launch_generation)
+        return shape
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        """Count exchange (fresh dispatch), then two kernels: the send half on a side stream,
+        launched before the host reads the counts back, so rows move while the host waits; the
+        receive half (own rows, then arrived rows into the outputs) on the current stream,
+        which the send half does not hold up. A fresh dispatch of a shape seen before launches
+        the receive half before the read-back too, into outputs with room for the previous
+        call's rows and some slack, and returns views of their first rows; when more rows
+        arrive it stands down and is launched again into exact outputs."""
+        self.check_status()
+        x, scales = request.x, request.x_scales
+        shape = self._dispatch_shape(request)
+        handle = request.cached_handle
+        state, R, t = self.state, self.num_ranks, self._tuning
+        has_topk = request.topk_idx is not None
+        per_expert: list[int] | None = None
+        reads_counts = False
+        if handle is not None:
+            plan: SendPlan = handle.backend_state
+            prefix, num_out_rows = handle.rank_prefix_matrix, handle.num_recv_rows
+            if num_out_rows > shape.capacity:
+                raise InputError(f"cached dispatch of {num_out_rows} rows does not fit the NVLink buffer "
+                                 f"({shape.capacity} rows of {shape.row_bytes} bytes); make the Buffer with more "
+                                 f"num_nvl_bytes")
+        else:
+            if request.num_worst_tokens == 0 and not INTERPRET and torch.cuda.is_current_stream_capturing():
+                # Checked before the exchange: the host would wait for counts that a capture
+                # never produces.
+                raise InputError("a dispatch without a handle reads its counts back on the host, which cannot "
+                                 "happen inside CUDA-graph capture; capture a cached dispatch (handle=...) or pass "
+                                 "num_worst_tokens")
+            if request.num_worst_tokens > shape.capacity:
+                raise InputError(f"num_worst_tokens={request.num_worst_tokens} does not fit the NVLink buffer "
+                                 f"({shape.capacity} rows of {shape.row_bytes} bytes); make the Buffer with more "
+                                 f"num_nvl_bytes")
+            token_list, send_pos, result = self.counts.start(self.memory, request, shape, self.timeout_ns)
+            prefix = result[: R * R].view(R, R)
+            plan = SendPlan(token_list, send_pos)
+            if request.num_worst_tokens > 0:
+                num_out_rows, per_expert = request.num_worst_tokens, []
+                self.counts.remember_padding(request.num_worst_tokens)
+            else:
+                reads_counts = True
+        state.dispatch_epoch += 1
+        # The kernel's argument groups (dispatch_kernel.py); both halves share all but the outputs.
+        words = x.view(torch.int32) if x.dim() == 2 else x
+        scale_view = scales.view(torch.int32) if scales is not None else words
+        inputs = (words, shape.x_words, scale_view, max(shape.scale_words, 1),
+                  scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
+                  request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
+                  shape.experts_per_rank)
+        send_plan = (plan.token_list, plan.token_list.stride(0), prefix)
+        ahead = inputs + send_plan
+        behind = shape.staging + (state.dispatch_epoch, state.dispatch_released) + self._status_args
+
+        launched: list = [None, None]   # the compiled (send, receive) launches: a cached dispatch learns them
+
+        def send() -> None:   # writes only into peers' staging: needs no output and no host count
+            launched[0] = DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind,
+                                   shape.send_constants, t.warps)
+
+        def receive(rows: int, guard_word: int = 0) -> tuple[torch.Tensor, ...]:
+            outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self.device,
+                                       self._cached_recv_src(plan, rows) if handle is not None else None)
+            output_args = (outputs[0].view(torch.int32),
+                           outputs[1].view(torch.int32) if scales is not None else outputs[4],
+                           outputs[2] if has_topk else self.placeholders(torch.int64),
+                           outputs[3] if has_topk else self.placeholders(torch.float32), outputs[4], rows, guard_word)
+            launched[1] = DISPATCH(shape.receivers, shape.receive_setup, ahead + output_args + behind,
+                                   shape.receive_constants, t.warps)
+            return outputs
+
+        # The send half runs on the side stream after the exchange (after everything queued on
+        # the current stream so far), beside the receive half; one rank sends nothing.
+        sends = R > 1
+        if sends and (not reads_counts or t.send_before_sync):
+            state.send_stream.fork([send])
+        if reads_counts:
+            guess = guess_rows(shape, t)
+            # Into outputs of a guessed size, the receive half follows the exchange on the GPU
+            # without waiting for the host; it stands down if the counts call for an error or
+            # for more rows (its guard reads the exchange's check words, after the per-expert
+            # counts at the end of ``result``).
+            outputs = receive(guess, result.numel() - 2) if guess is not None else None
+            host = self.counts.wait_counts(shape, self.timeout_ns)
+            num_out_rows = shape.last_fresh_rows = host[R * (R - 1) + self.rank]
+            if sends and not t.send_before_sync:
+                state.send_stream.fork([send])
+            if outputs is not None and num_out_rows <= guess:
+                outputs = tuple(None if out is None else out[:num_out_rows] for out in outputs)
+            else:
+                outputs = receive(num_out_rows)
+        else:
+            outputs = receive(num_out_rows)
+        state.send_stream.join()   # later work on the current stream (and the allocator) waits for the send
+        state.dispatch_released += shape.receivers
+        recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
+        replay = None
+        if handle is not None and request.num_worst_tokens == 0:   # the next such call may replay these launches
+            replay = CachedDispatchReplay.learn(
+                state, R, x, scales, *launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
+                shape.receivers, state.dispatch_epoch, state.dispatch_released - shape.receivers)
+        if reads_counts:   # host bookkeeping, after the launch
+            plan.host_prefix = host[: R * R]
+            per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
+        if handle is None:
+            handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
+                                    self.buffer_id, plan)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle, replay)
+
+    def _cached_recv_src(self, plan: SendPlan, rows: int) -> torch.Tensor:
+        """Where a cached dispatch's receive half writes the source indices it does not return:
+        one scratch tensor per handle (every such call writes the same values)."""
+        if plan.cached_recv_src is None:
+            plan.cached_recv_src = torch.empty(rows, dtype=torch.int32, device=self.device)
+        return plan.cached_recv_src
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, request: CombineRequest) -> CombineResult:
+        x, handle, topk_weights, bias, config = request.x, request.handle, request.topk_weights, request.bias, \
+            request.config
+        self.check_status()
+        plan: SendPlan = handle.backend_state
+        hidden = x.shape[1]
+        if hidden % 2:
+            raise InputError(f"the NVLink backend moves combine rows in 4-byte words; hidden must be even, "
+                             f"got {hidden}")
+        num_tokens = handle.is_token_in_rank.shape[0]
+        num_topk = topk_weights.shape[1] if topk_weights is not None else 0
+        memory = self.memory
+        capacity, regions = self.staging.combine(hidden, num_topk)
+        if plan.counts is None and plan.host_prefix is not None:
+            plan.counts = count_rows_from_prefix(plan.host_prefix, self.num_ranks)
+            plan.max_send_rows = max(map(sum, plan.counts))
+        if plan.max_send_rows is not None and plan.max_send_rows > capacity:
+            raise InputError(f"combine would return {plan.max_send_rows} rows to one rank but the NVLink buffer "
+                             f"holds {capacity} rows of hidden {hidden}; make the Buffer with more num_nvl_bytes")
+        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self.device)
+        out_weights = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=self.device) \
+            if topk_weights is not None else None
+        state, t, R = self.state, self._tuning, self.num_ranks
+        state.combine_epoch += 1
+        # The kernel's argument groups (combine_kernel.py), in its order.
+        args = (x, x.view(torch.int32), topk_weights if topk_weights is not None else x,          # inputs
+                bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x, hidden,
+                handle.rank_prefix_matrix, handle.is_token_in_rank, plan.send_pos,                 # send plan
+                out, out_weights if out_weights is not None else out, num_tokens,                  # outputs
+                memory.peer_base_ptrs, self.rank, *regions, capacity,                              # staging area
+                state.combine_epoch, state.combine_released,                                       # call counters
+                *self._status_args)                                                                # status
+        # Everything the launch does not convert per call (see COMBINE) follows from the setup
+        # key; the constexprs are built only when a key is new (FastLauncher).
+        setup = (state.launch_generation, hidden, num_topk, topk_weights is not None, bias[0] is not None,
+                 bias[1] is not None)
+
+        def constants(senders: int, reducers: int, channels: int) -> Callable[[], dict]:
+            def make() -> dict:
+                shape = tile_shape(t.rows, 2 * hidden)
+                pow2 = triton.next_power_of_2
+                return dict(
+                    TAIL_WORD=memory.signals.combine_tail, DONE_WORD=memory.signals.combine_done,
+                    MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
+                    NUM_TOPK=max(num_topk, 1), TOPK_PAD=pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
+                    HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block),
+                    TOKENS=combine_tile_tokens(t.tokens, R), STAGE=t.stage, GPU=GPU_KERNELS,
+                    COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
+                    NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=channels, **shape)
+            return make
+        if plan.counts is not None and t.copy_engine_combine:
+            # The rows cross NVLink on the copy engines, piece by piece; every program reduces
+            # while they arrive (combine_copy_engine.py).
+            pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)
+            if plan.combine_copies is None:
+                plan.combine_copies = combine_copies(plan.counts, self.rank)
+            self.copier.fork(x, topk_weights, plan.combine_copies, handle.rank_prefix_matrix, regions, pieces,
+                             state.combine_epoch)
+            reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
+            launch = COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
+            state.peer_streams.join()
+        else:
+            pieces = 0
+            senders, reducers = split_programs(config.num_sms, t.combine_sender_fraction)
+            launch = COMBINE(senders + reducers, setup + (senders, reducers, senders), args,
+                             constants(senders, reducers, senders), t.warps)
+        state.combine_released += reducers
+        replay = None
+        if bias[0] is None and bias[1] is None:   # the next such call may replay this launch
+            replay = CombineReplay.learn(
+                state, self.copier if pieces else None, x, topk_weights, handle, launch, out, out_weights,
+                num_tokens, reducers, pieces, regions, state.combine_epoch, state.combine_released - reducers)
+        return CombineResult(out, out_weights, replay)

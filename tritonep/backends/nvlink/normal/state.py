@@ -1,0 +1,79 @@
+"""What the normal mode's calls share from one call to the next.
+
+``NormalState`` is the engine's host state between calls: the call epochs, the staging-release
+counters, the status word, the side streams, the launch generation and the one check a
+``num_worst_tokens`` dispatch leaves to the next call. The engine (the general path) and the
+replays it hands out (``replay.py``) both read and advance it, so the two paths interleave
+freely: a replay is a shortcut through the same state, never a copy of it.
+
+``SendPlan`` is what a handle carries from the dispatch that made it, for the cached
+dispatches and combines made with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from tritonep.runtime.side_streams import PeerStreams
+from tritonep.runtime.status import StatusWord
+
+# Launch generations are distinct across engines and tunings: the kernels' launchers are shared
+# by every engine of the process, and a generation is part of every setup key they are given.
+_GENERATIONS = itertools.count()
+
+
+class NormalState:
+    """The normal mode's host state between calls, shared by the engine and its replays.
+
+    Epochs number the calls of each kind (every rank counts alike, so a rank's epoch names the
+    same call on every peer); the kernels stamp their signals with it. The release counters are
+    the receiver (reducer) programs of all earlier dispatches (combines): each one adds 1 to
+    every peer's done word, so a sender knows when the staging it writes into is free again.
+    """
+
+    __slots__ = ("device", "notify_epoch", "dispatch_epoch", "combine_epoch", "dispatch_released",
+                 "combine_released", "status", "send_stream", "peer_streams", "launch_generation",
+                 "unchecked_padding")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.notify_epoch = 0
+        self.dispatch_epoch = 0
+        self.combine_epoch = 0
+        self.dispatch_released = 0
+        self.combine_released = 0
+        # A kernel that gives up waiting on a peer writes (phase, peer) here (runtime/status.py).
+        self.status = StatusWord()
+        # The dispatch's send half runs on a side stream beside its receive half; the copy-engine
+        # combine sends each peer's rows on a side stream of its own.
+        self.send_stream = PeerStreams(device)
+        self.peer_streams = PeerStreams(device)
+        # Stands for the kernel shapes (the engine's Tuning) and this engine's fixed launch
+        # arguments in every setup key: launches learnt under another generation are not reused.
+        self.launch_generation = next(_GENERATIONS)
+        # A num_worst_tokens dispatch does not sync, so whether its padding was large enough is
+        # checked when the next call starts: (its exchange's epoch, num_worst_tokens).
+        self.unchecked_padding: tuple[int, int] | None = None
+
+    def new_launch_generation(self) -> None:
+        """Kernel shapes changed: no launch learnt so far may be reused."""
+        self.launch_generation = next(_GENERATIONS)
+
+
+@dataclass
+class SendPlan:
+    """What a cached dispatch and the combine reuse from the dispatch that made the handle."""
+
+    token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
+    send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
+    host_prefix: list[int] | None = None    # rank_prefix_matrix row-major, when read back
+    # Worked out from host_prefix by the first combine (not on the fresh dispatch's path):
+    counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
+    max_send_rows: int | None = None        # largest number of rows any rank sends
+    combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
+    # Cached dispatches of this handle: where their receive half writes the source indices,
+    # which a cached dispatch does not return (made by the first one).
+    cached_recv_src: torch.Tensor | None = None
