@@ -12,17 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tritonep.backends.base import (
-    Backend,
-    CombineRequest,
-    CombineResult,
-    DispatchRequest,
-    DispatchResult,
-    LowLatencyCombineRequest,
-    LowLatencyCombineResult,
-    LowLatencyDispatchRequest,
-    LowLatencyDispatchResult,
-)
+from tritonep.backends import base
 from tritonep.backends.collective import low_latency, normal
 from tritonep.core.checks import require
 from tritonep.core.handles import LowLatencyHandle
@@ -31,7 +21,7 @@ from tritonep.core.replay import Replay
 __all__ = ["CollectiveBackend"]
 
 
-class CollectiveBackend(Backend):
+class CollectiveBackend(base.Backend):
     """Arguments:
         group: the expert-parallel process group (gloo with CPU tensors, or NCCL with CUDA ones).
         buffer_id: the owning Buffer's id, stamped into every handle.
@@ -87,21 +77,21 @@ class CollectiveBackend(Backend):
                             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return normal.get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
-    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+    def dispatch(self, request: base.DispatchRequest) -> base.DispatchResult:
         return normal.dispatch(self.group, self.buffer_id, request)
 
-    def combine(self, request: CombineRequest) -> CombineResult:
+    def combine(self, request: base.CombineRequest) -> base.CombineResult:
         combined_x, combined_weights = normal.combine(self.group, request.x, request.handle, request.topk_weights,
                                                       request.bias)
-        return CombineResult(combined_x, combined_weights)
+        return base.CombineResult(combined_x, combined_weights)
 
     # ---- low-latency mode ----------------------------------------------------------------
-    def low_latency_dispatch(self, request: LowLatencyDispatchRequest,
-                             replay: Replay | None = None) -> LowLatencyDispatchResult:
+    def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,
+                             replay: Replay | None = None) -> base.LowLatencyDispatchResult:
         return low_latency.dispatch(self.group, self.buffer_id, request, self.rank_mask)
 
-    def low_latency_combine(self, request: LowLatencyCombineRequest,
-                            replay: Replay | None = None) -> LowLatencyCombineResult:
+    def low_latency_combine(self, request: base.LowLatencyCombineRequest,
+                            replay: Replay | None = None) -> base.LowLatencyCombineResult:
         """With ``zero_copy`` the rows are read from the current combine buffer (where the caller
         wrote them via ``get_next_low_latency_combine_buffer``); every combine then flips to the
         other buffer, so two combines in flight never share memory."""
@@ -110,7 +100,7 @@ class CollectiveBackend(Backend):
         combined_x, hook = low_latency.combine(self.group, source, request.topk_idx, request.topk_weights,
                                                request.handle, request.return_recv_hook, request.out,
                                                request.wait_stats, self.rank_mask)
-        return LowLatencyCombineResult(combined_x, hook)
+        return base.LowLatencyCombineResult(combined_x, hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         T, hidden = handle.num_max_dispatch_tokens_per_rank, handle.hidden

@@ -54,14 +54,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.backends.base import LowLatencyDispatchRequest, LowLatencyDispatchResult
-from tritonep.backends.collective.packing import (
-    all_gather_rows,
-    all_to_all_rows,
-    check_same_on_all_ranks,
-    compact,
-    pack_rows,
-    unpack_rows,
-)
+from tritonep.backends.collective import packing
 from tritonep.core import fp8, routing
 from tritonep.core.checks import InputError
 from tritonep.core.handles import LowLatencyHandle
@@ -135,8 +128,8 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: LowLatencyDispat
     header = torch.tensor([hidden, T, num_experts, int(use_fp8), int(request.round_scale), int(use_ue8m0)],
                           dtype=torch.int64, device=device)
     masks_at = num_ranks + len(_HEADER_NAMES)
-    table = all_gather_rows(group, torch.cat([counts.sum(1), header, _mask_row(rank_mask, num_ranks, device)]))
-    check_same_on_all_ranks(table[:, num_ranks:masks_at], _HEADER_NAMES, "low_latency_dispatch")
+    table = packing.all_gather_rows(group, torch.cat([counts.sum(1), header, _mask_row(rank_mask, num_ranks, device)]))
+    packing.check_same_on_all_ranks(table[:, num_ranks:masks_at], _HEADER_NAMES, "low_latency_dispatch")
     links = links_from_masks(table[:, masks_at:])
     send_splits = (table[rank, :num_ranks] * links[rank]).tolist()
     recv_splits = (table[:, rank] * links[:, rank]).tolist()
@@ -147,7 +140,8 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: LowLatencyDispat
     parts: list[torch.Tensor]
     if use_fp8:
         x_fp8, scales = fp8.cast_to_fp8(x, round_scale=request.round_scale, use_ue8m0=use_ue8m0)
-        parts = [compact(x_fp8).view(torch.uint8).index_select(0, token_index), scales.index_select(0, token_index)]
+        parts = [packing.compact(x_fp8).view(torch.uint8).index_select(0, token_index),
+                 scales.index_select(0, token_index)]
         specs = [(torch.uint8, hidden), (scales.dtype, scales.shape[1])]
     else:
         parts = [x.index_select(0, token_index)]
@@ -155,7 +149,7 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: LowLatencyDispat
     ids = torch.stack([token_index, expert % experts_per_rank], dim=1).to(torch.int32)
     parts.append(ids)
     specs.append((torch.int32, 2))
-    recv, work = all_to_all_rows(group, pack_rows(parts), send_splits, recv_splits, async_op=True)
+    recv, work = packing.all_to_all_rows(group, packing.pack_rows(parts), send_splits, recv_splits, async_op=True)
 
     slots = num_ranks * T
     packed_count = torch.zeros(experts_per_rank, dtype=torch.int32, device=device)
@@ -179,7 +173,7 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: LowLatencyDispat
         start = time.perf_counter_ns()
         work.wait()
         waited = time.perf_counter_ns() - start
-        fields = unpack_rows(recv, specs)
+        fields = packing.unpack_rows(recv, specs)
         ids = fields[-1].to(torch.int64)
         recv_expert = ids[:, 1]
         row, expert_counts = _placement(recv_expert, recv_splits, experts_per_rank)
@@ -219,8 +213,8 @@ def _check_combine(group: dist.ProcessGroup, layout: LowLatencyLayout, expected_
     header = torch.tensor(layout.recv_splits + [hidden], dtype=torch.int64, device="cpu")
     mine = torch.cat([expected_back.to(torch.int64).cpu(), header,
                       layout.links.to(torch.int64), _mask_row(rank_mask, num_ranks, device).cpu()])
-    table = all_gather_rows(group, mine.to(device))
-    check_same_on_all_ranks(table[:, 2 * num_ranks:2 * num_ranks + 1], ["hidden"], "low_latency_combine")
+    table = packing.all_gather_rows(group, mine.to(device))
+    packing.check_same_on_all_ranks(table[:, 2 * num_ranks:2 * num_ranks + 1], ["hidden"], "low_latency_combine")
     dispatch_links = table[:, 2 * num_ranks + 1:3 * num_ranks + 1].bool()
     links = dispatch_links & dispatch_links.t() & links_from_masks(table[:, 3 * num_ranks + 1:])
     for source in range(num_ranks):
@@ -267,7 +261,7 @@ def combine(group: dist.ProcessGroup, source: torch.Tensor, topk_idx: torch.Tens
     send_back = [count if linked else 0 for count, linked in zip(layout.recv_splits, links.tolist())]
     receive_back = [count if linked else 0 for count, linked in zip(layout.send_splits, links.tolist())]
     rows = source[recv_expert, recv_row]
-    back, work = all_to_all_rows(group, rows, send_back, receive_back, async_op=True)
+    back, work = packing.all_to_all_rows(group, rows, send_back, receive_back, async_op=True)
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
     result = out

@@ -21,14 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.backends.base import DispatchRequest, DispatchResult
-from tritonep.backends.collective.packing import (
-    all_gather_rows,
-    all_to_all_rows,
-    check_same_on_all_ranks,
-    compact,
-    pack_rows,
-    unpack_rows,
-)
+from tritonep.backends.collective import packing
 from tritonep.core import routing
 from tritonep.core.checks import InputError
 from tritonep.core.handles import DispatchHandle
@@ -57,7 +50,7 @@ def get_dispatch_layout(topk_idx: torch.Tensor, num_experts: int,
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]`` for any dtype (index_select has no float8 kernels on every device)."""
-    return compact(x).view(torch.uint8).index_select(0, index).view(x.dtype)
+    return packing.compact(x).view(torch.uint8).index_select(0, index).view(x.dtype)
 
 
 def _scale_code(scales: torch.Tensor | None) -> tuple[int, int]:
@@ -84,9 +77,9 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: DispatchRequest)
     send_counts = in_rank.sum(0).to(torch.int64)
     header = torch.tensor([hidden, num_topk, num_experts, int(x.dtype != torch.bfloat16), scale_code, scale_cols,
                            request.num_worst_tokens], dtype=torch.int64, device=device)
-    table = all_gather_rows(group, torch.cat([send_counts, header]))
+    table = packing.all_gather_rows(group, torch.cat([send_counts, header]))
     count_matrix, metas = table[:, :num_ranks], table[:, num_ranks:]
-    check_same_on_all_ranks(metas[:, :len(_HEADER_NAMES)], _HEADER_NAMES, "dispatch")
+    packing.check_same_on_all_ranks(metas[:, :len(_HEADER_NAMES)], _HEADER_NAMES, "dispatch")
     recv_totals = count_matrix.sum(0).tolist()
     worst = metas[:, len(_HEADER_NAMES)].tolist()
     for target in range(num_ranks):
@@ -108,13 +101,13 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: DispatchRequest)
         parts.append(scales.index_select(0, token_index))
         specs.append((scales.dtype, scale_cols))
     recv_x = torch.empty(num_rows, hidden, dtype=x.dtype, device=device)
-    _, x_work = all_to_all_rows(group, _gather_rows(x, token_index), send_splits, recv_splits,
+    _, x_work = packing.all_to_all_rows(group, _gather_rows(x, token_index), send_splits, recv_splits,
                                 out=recv_x[:num_real], async_op=True)
-    meta, meta_work = all_to_all_rows(group, pack_rows(parts), send_splits, recv_splits, async_op=True)
+    meta, meta_work = packing.all_to_all_rows(group, packing.pack_rows(parts), send_splits, recv_splits, async_op=True)
 
     expert_list = None
     if any(w == 0 for w in worst):  # every rank agrees on whether this gather happens
-        per_expert = all_gather_rows(group, request.num_tokens_per_expert)
+        per_expert = packing.all_gather_rows(group, request.num_tokens_per_expert)
         if request.num_worst_tokens == 0:
             local = per_expert[:, rank * experts_per_rank:(rank + 1) * experts_per_rank].sum(0).tolist()
             expert_list = routing.round_up_counts(local, request.expert_alignment)
@@ -125,7 +118,7 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: DispatchRequest)
     if num_rows > num_real:
         recv_x[num_real:].view(torch.uint8).zero_()
 
-    unpacked = unpack_rows(meta, specs)
+    unpacked = packing.unpack_rows(meta, specs)
     recv_src_idx = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
     recv_src_idx[:num_real] = unpacked[0].view(-1).to(torch.int32)
     recv_topk_idx = recv_topk_weights = recv_scales = None
@@ -157,17 +150,17 @@ def _cached_dispatch(group: dist.ProcessGroup, request: DispatchRequest) -> Disp
     # crash the all_to_all: one tiny fixed-size gather lets all of them raise instead.
     header = torch.tensor([hidden, int(x.dtype != torch.bfloat16), scale_code, scale_cols], dtype=torch.int64,
                           device=x.device)
-    check_same_on_all_ranks(all_gather_rows(group, header), _CACHED_HEADER_NAMES, "cached dispatch")
+    packing.check_same_on_all_ranks(packing.all_gather_rows(group, header), _CACHED_HEADER_NAMES, "cached dispatch")
     num_rows, num_real = handle.num_recv_rows, layout.num_real_rows
     index = layout.send_token_index
     recv_x = torch.zeros(num_rows, hidden, dtype=x.dtype, device=x.device) if num_rows > num_real else \
         torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
-    _, work = all_to_all_rows(group, _gather_rows(x, index), layout.send_splits, layout.recv_splits,
+    _, work = packing.all_to_all_rows(group, _gather_rows(x, index), layout.send_splits, layout.recv_splits,
                               out=recv_x[:num_real], async_op=True)
     recv_scales = None
     if scales is not None:
         recv_scales = torch.zeros(num_rows, scales.shape[1], dtype=scales.dtype, device=x.device)
-        all_to_all_rows(group, scales.index_select(0, index), layout.send_splits, layout.recv_splits,
+        packing.all_to_all_rows(group, scales.index_select(0, index), layout.send_splits, layout.recv_splits,
                         out=recv_scales[:num_real])
     work.wait()
     return DispatchResult(recv_x, recv_scales, None, None, None, handle)
@@ -185,11 +178,11 @@ def combine(group: dist.ProcessGroup, x: torch.Tensor, handle: DispatchHandle, t
     num_real = layout.num_real_rows
     num_topk = topk_weights.shape[1] if topk_weights is not None else 0
     header = torch.tensor([x.shape[1], int(topk_weights is not None), num_topk], dtype=torch.int64, device=x.device)
-    check_same_on_all_ranks(all_gather_rows(group, header), _COMBINE_HEADER_NAMES, "combine")
-    back_x, x_work = all_to_all_rows(group, x[:num_real], layout.recv_splits, layout.send_splits, async_op=True)
+    packing.check_same_on_all_ranks(packing.all_gather_rows(group, header), _COMBINE_HEADER_NAMES, "combine")
+    back_x, x_work = packing.all_to_all_rows(group, x[:num_real], layout.recv_splits, layout.send_splits, async_op=True)
     back_w = None
     if topk_weights is not None:
-        back_w, _ = all_to_all_rows(group, topk_weights[:num_real], layout.recv_splits, layout.send_splits)
+        back_w, _ = packing.all_to_all_rows(group, topk_weights[:num_real], layout.recv_splits, layout.send_splits)
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     for item in bias:
         if item is not None:

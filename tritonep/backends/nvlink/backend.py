@@ -11,17 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tritonep.backends.base import (
-    Backend,
-    CombineRequest,
-    CombineResult,
-    DispatchRequest,
-    DispatchResult,
-    LowLatencyCombineRequest,
-    LowLatencyCombineResult,
-    LowLatencyDispatchRequest,
-    LowLatencyDispatchResult,
-)
+from tritonep.backends import base
 from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
 from tritonep.backends.nvlink.memory import SymmetricBuffer, give_back_released
 from tritonep.backends.nvlink.normal.engine import NormalEngine
@@ -32,7 +22,7 @@ from tritonep.core.replay import Replay
 from tritonep.runtime.platform import INTERPRET
 
 
-class NvlinkBackend(Backend):
+class NvlinkBackend(base.Backend):
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  low_latency_mode: bool) -> None:
         super().__init__(group, buffer_id)
@@ -87,19 +77,19 @@ class NvlinkBackend(Backend):
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.normal.get_dispatch_layout(topk_idx, num_experts)
 
-    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+    def dispatch(self, request: base.DispatchRequest) -> base.DispatchResult:
         return self.normal.dispatch(request)
 
-    def combine(self, request: CombineRequest) -> CombineResult:
+    def combine(self, request: base.CombineRequest) -> base.CombineResult:
         return self.normal.combine(request)
 
     # ------------------------------------------------------------------ low-latency mode
-    def low_latency_dispatch(self, request: LowLatencyDispatchRequest,
-                             replay: Replay | None = None) -> LowLatencyDispatchResult:
+    def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,
+                             replay: Replay | None = None) -> base.LowLatencyDispatchResult:
         return self.low_latency.dispatch(request, self.rank_mask, replay)
 
-    def low_latency_combine(self, request: LowLatencyCombineRequest,
-                            replay: Replay | None = None) -> LowLatencyCombineResult:
+    def low_latency_combine(self, request: base.LowLatencyCombineRequest,
+                            replay: Replay | None = None) -> base.LowLatencyCombineResult:
         return self.low_latency.combine(request, self.rank_mask, replay)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

@@ -30,33 +30,14 @@ import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.low_latency import regions as layout
+from tritonep.backends.nvlink.low_latency.control_words import COMBINE, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, call_words
+from tritonep.device import signals
 from tritonep.device.rows import copy_rows
-from tritonep.device.signals import (
-    begin_low_latency_send,
-    fence_system,
-    finish_low_latency_launch,
-    gave_up,
-    load_own_counter,
-    load_rank_mask,
-    now_ns,
-    rank_masked,
-    ranks_masked,
-    save_rank_mask,
-    store_relaxed,
-    wait_all_at_least,
-)
 from tritonep.device.status_codes import PHASE_LL_COMBINE_DATA, PHASE_LL_COMBINE_SLOT
 
-SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 4)
-SEQUENCE_RECEIVED = tl.constexpr(layout.SEQUENCE + 6)
-DONE_SEND = tl.constexpr(layout.DONE + 2)
-DONE_RECEIVE = tl.constexpr(layout.DONE + 3)
-MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
-MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
+SEQUENCE_SENT, SEQUENCE_RECEIVED, DONE_SEND, DONE_RECEIVE, SENT_USE = call_words(COMBINE)
 FREED = tl.constexpr(layout.COMBINE_FREED)
 FLAGS = tl.constexpr(layout.COMBINE_FLAGS)
-SENT_USE = tl.constexpr(layout.SENT_USE + 2 * layout.MAX_RANKS)
-MAX_TOPK = tl.constexpr(layout.MAX_TOPK)
 
 
 @triton.jit(do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area",
@@ -88,16 +69,16 @@ def low_latency_combine_kernel(
     ranks = tl.arange(0, RANKS_PAD)
     # The ranks this combine skips: masked now or at the dispatch (the receive half reuses them).
     if DO_SEND:
-        masked = load_rank_mask(mask_ptr, ranks, NUM_RANKS, HAS_MASK) \
-            | load_rank_mask(dispatch_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
-        save_rank_mask(combine_mask_ptr, masked, ranks, NUM_RANKS, HAS_MASK)
+        masked = signals.load_rank_mask(mask_ptr, ranks, NUM_RANKS, HAS_MASK) \
+            | signals.load_rank_mask(dispatch_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
+        signals.save_rank_mask(combine_mask_ptr, masked, ranks, NUM_RANKS, HAS_MASK)
     else:
-        masked = load_rank_mask(combine_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
+        masked = signals.load_rank_mask(combine_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
 
     if DO_SEND:
-        call, masked = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, mask_ptr,
-                                              combine_mask_ptr, status_ptr, timeout_ns, PHASE_LL_COMBINE_SLOT,
-                                              NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
+        call, masked = signals.begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, mask_ptr,
+                                                      combine_mask_ptr, status_ptr, timeout_ns, PHASE_LL_COMBINE_SLOT,
+                                                      NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
         # One item per (local expert, source rank); sources rotated so programs spread over links.
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
@@ -106,7 +87,7 @@ def low_latency_combine_kernel(
             expert_rows = local_expert * slots_per_expert
             placed = tl.load(layout_range_ptr + local_expert * NUM_RANKS + source)
             begin = (placed >> 32).to(tl.int32)
-            count = tl.where(rank_masked(masked, ranks, source), 0, (placed & 0xFFFFFFFF).to(tl.int32))
+            count = tl.where(signals.rank_masked(masked, ranks, source), 0, (placed & 0xFFFFFFFF).to(tl.int32))
             peer_area = tl.load(peer_base_ptrs + source) + area
             receive_slot = (peer_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.int32))
             for first in range(0, count, ROWS):
@@ -117,29 +98,29 @@ def low_latency_combine_kernel(
                 copy_rows(x_words + local_expert * (expert_stride // 2).to(tl.int64), rows, row_stride // 2, 1,
                           receive_slot, token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
         # One fence for all of this program's rows, then the flags: no round trip per item.
-        fence_system(GPU)
+        signals.fence_system(GPU)
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
             local_expert = item // NUM_RANKS
             source = (rank + 1 + item % NUM_RANKS) % NUM_RANKS
-            if not rank_masked(masked, ranks, source):
+            if not signals.rank_masked(masked, ranks, source):
                 flag = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
                     + slot * MAX_EXPERTS + rank * experts_per_rank + local_expert
-                store_relaxed(flag, call, GPU)
+                signals.store_relaxed(flag, call, GPU)
 
     if DO_RECV:
-        call = load_own_counter(control + SEQUENCE_RECEIVED + slot) + 1
+        call = signals.load_own_counter(control + SEQUENCE_RECEIVED + slot) + 1
         received = (my_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.bfloat16))
         if HAS_WAIT_STATS:
             for expert in range(pid, experts_per_rank * NUM_RANKS, num_programs):
                 owner = expert // experts_per_rank
-                if not rank_masked(masked, ranks, owner):
-                    started = now_ns(GPU)
+                if not signals.rank_masked(masked, ranks, owner):
+                    started = signals.now_ns(GPU)
                     one = ranks == 0
-                    wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + expert + ranks * 0,
-                                      call + tl.zeros([RANKS_PAD], tl.int64), one, status_ptr, timeout_ns,
-                                      PHASE_LL_COMBINE_DATA, owner + ranks * 0, mask_ptr, combine_mask_ptr, NUM_RANKS,
-                                      HAS_MASK, GPU)
-                    tl.atomic_add(wait_stats_ptr + owner, now_ns(GPU) - started, sem="relaxed")
+                    signals.wait_all_at_least(
+                        control + FLAGS + slot * MAX_EXPERTS + expert + ranks * 0,
+                        call + tl.zeros([RANKS_PAD], tl.int64), one, status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA,
+                        owner + ranks * 0, mask_ptr, combine_mask_ptr, NUM_RANKS, HAS_MASK, GPU)
+                    tl.atomic_add(wait_stats_ptr + owner, signals.now_ns(GPU) - started, sem="relaxed")
         column_blocks = tl.cdiv(HIDDEN, REDUCE_BLOCK)
         ks = tl.arange(0, TOPK_PAD)
         for item in range(pid, num_tokens * column_blocks, num_programs):
@@ -148,21 +129,21 @@ def low_latency_combine_kernel(
             experts = tl.load(topk_idx_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=-1)
             weights = tl.load(topk_weights_ptr + token * NUM_TOPK + ks, mask=ks < NUM_TOPK, other=0.0)
             # Experts of masked ranks count as absent: not waited for, not added.
-            present = (experts >= 0) & ~ranks_masked(masked, ranks, tl.maximum(experts, 0) // experts_per_rank)
+            present = (experts >= 0) & ~signals.ranks_masked(masked, ranks, tl.maximum(experts, 0) // experts_per_rank)
             # The flags of all of the token's experts at once. Shrink mode: an expert whose rank
             # timed out (now or in an earlier wait of this call) counts as absent too.
             target = call + tl.zeros([TOPK_PAD], tl.int64)
-            flags = wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0), target,
-                                      present, status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA,
-                                      (tl.maximum(experts, 0) // experts_per_rank).to(tl.int32), mask_ptr,
-                                      combine_mask_ptr, NUM_RANKS, HAS_MASK, GPU)
-            present = present & ~gave_up(flags, target)
+            flags = signals.wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + tl.maximum(experts, 0), target,
+                                              present, status_ptr, timeout_ns, PHASE_LL_COMBINE_DATA,
+                                              (tl.maximum(experts, 0) // experts_per_rank).to(tl.int32), mask_ptr,
+                                              combine_mask_ptr, NUM_RANKS, HAS_MASK, GPU)
+            present = present & ~signals.gave_up(flags, target)
             rows = tl.load(received + (token * MAX_TOPK + ks).to(tl.int64)[:, None] * HIDDEN + columns[None, :],
                            mask=present[:, None] & (columns < HIDDEN)[None, :], other=0.0, cache_modifier=".cg")
             total = tl.sum(rows.to(tl.float32) * weights[:, None], axis=0)
             tl.store(out_ptr + token.to(tl.int64) * out_row_stride + columns, total.to(tl.bfloat16),
                      mask=columns < HIDDEN)
 
-    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED,
-                              SENT_USE, DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND,
-                              DO_RECV, GPU)
+    signals.finish_low_latency_launch(
+        control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED, SENT_USE, DONE_SEND,
+        DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND, DO_RECV, GPU)

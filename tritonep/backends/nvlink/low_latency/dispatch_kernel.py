@@ -38,39 +38,25 @@ import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.low_latency import regions as layout
+from tritonep.backends.nvlink.low_latency.control_words import (
+    CONTROL_BYTES,
+    DISPATCH,
+    MAX_EXPERTS,
+    MAX_RANKS,
+    call_words,
+)
+from tritonep.device import signals
 from tritonep.device.fp8_tiles import cast_row, pack_bytes
 from tritonep.device.rows import copy_rows
-from tritonep.device.signals import (
-    begin_low_latency_send,
-    fence_system,
-    finish_low_latency_launch,
-    gave_up,
-    last_program_done,
-    load_own_counter,
-    load_rank_mask,
-    now_ns,
-    rank_masked,
-    ranks_masked,
-    save_rank_mask,
-    store_relaxed,
-    wait_all_at_least,
-)
 from tritonep.device.status_codes import PHASE_LL_DISPATCH_DATA, PHASE_LL_DISPATCH_SLOT
 
-SEQUENCE_SENT = tl.constexpr(layout.SEQUENCE + 0)
-SEQUENCE_RECEIVED = tl.constexpr(layout.SEQUENCE + 2)
-DONE_SEND = tl.constexpr(layout.DONE + 0)
-DONE_RECEIVE = tl.constexpr(layout.DONE + 1)
-MAX_RANKS = tl.constexpr(layout.MAX_RANKS)
-MAX_EXPERTS = tl.constexpr(layout.MAX_EXPERTS)  # flag slots are this far apart, whatever E a call has
+SEQUENCE_SENT, SEQUENCE_RECEIVED, DONE_SEND, DONE_RECEIVE, SENT_USE = call_words(DISPATCH)
 FREED = tl.constexpr(layout.DISPATCH_FREED)
 FLAGS = tl.constexpr(layout.DISPATCH_FLAGS)
 COUNTS = tl.constexpr(layout.DISPATCH_COUNTS)
 ROWS_SENT = tl.constexpr(layout.DONE + 4)
 SCRATCH = tl.constexpr(layout.DONE + 5)
-SENT_USE = tl.constexpr(layout.SENT_USE + 0)
 LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
-CONTROL_BYTES = tl.constexpr(layout.CONTROL_BYTES)
 
 
 @triton.jit
@@ -121,7 +107,7 @@ def _write_token(data, scale_bits, addresses, destinations, token, masked, ranks
     """Store a token read by ``_read_token`` into the receive slot of each of its top-k experts'
     ranks, skipping masked ranks: the same row top-k times, then its header (token, k)."""
     ks = tl.arange(0, TOPK_PAD)
-    addresses = tl.where(ranks_masked(masked, ranks, destinations), 0, addresses)
+    addresses = tl.where(signals.ranks_masked(masked, ranks, destinations), 0, addresses)
     for k in tl.static_range(NUM_TOPK):
         address = tl.sum(tl.where(ks == k, addresses, 0), axis=0)
         if address != 0:
@@ -148,12 +134,12 @@ def _raise_flags(staged, peer_base_ptrs, area, my_area, slot, rank, masked, rank
         expert = first + tl.arange(0, FLAG_BLOCK)
         valid = expert < num_experts
         destination = tl.where(valid, expert // experts_per_rank, 0)
-        wanted = valid & ~ranks_masked(masked, ranks, destination)
+        wanted = valid & ~signals.ranks_masked(masked, ranks, destination)
         local_expert = expert - destination * experts_per_rank
         flag_address = tl.load(peer_base_ptrs + destination) + area \
             + (FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank) * 8
         address = tl.where(wanted, flag_address, my_area + SCRATCH * 8)
-        store_relaxed(address.to(tl.pointer_type(tl.int64)), tl.load(staged + expert, mask=valid, other=0), GPU)
+        signals.store_relaxed(address.to(tl.pointer_type(tl.int64)), tl.load(staged + expert, mask=valid, other=0), GPU)
 
 
 @triton.jit
@@ -219,10 +205,10 @@ def low_latency_dispatch_kernel(
     real_ranks = tl.minimum(ranks, NUM_RANKS - 1)   # pad lanes point at a real word, masked off
     # The ranks this dispatch skips: the send reads the mask, the receive what the send saw.
     if DO_SEND:
-        masked = load_rank_mask(mask_ptr, ranks, NUM_RANKS, HAS_MASK)
-        save_rank_mask(saved_mask_ptr, masked, ranks, NUM_RANKS, HAS_MASK)
+        masked = signals.load_rank_mask(mask_ptr, ranks, NUM_RANKS, HAS_MASK)
+        signals.save_rank_mask(saved_mask_ptr, masked, ranks, NUM_RANKS, HAS_MASK)
     else:
-        masked = load_rank_mask(saved_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
+        masked = signals.load_rank_mask(saved_mask_ptr, ranks, NUM_RANKS, HAS_MASK)
     if DO_SEND:
         pairs = tl.arange(0, PAIRS_PAD)
         experts = tl.load(topk_idx_ptr + pairs, mask=pairs < num_tokens * NUM_TOPK, other=-1)
@@ -234,9 +220,9 @@ def low_latency_dispatch_kernel(
             x_ptr, x_row_stride, sent_token, num_tokens, topk_idx_ptr, experts, pairs, peer_base_ptrs, area, slot,
             slot_bytes, rank, block_words, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD, HIDDEN, HIDDEN_PAD,
             USE_FP8, ROUND_SCALE, GROUPS_PAD, DATA_WORDS, MESSAGE_WORDS, GPU)
-        call, masked = begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, mask_ptr,
-                                              saved_mask_ptr, status_ptr, timeout_ns, PHASE_LL_DISPATCH_SLOT,
-                                              NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
+        call, masked = signals.begin_low_latency_send(control, SEQUENCE_SENT, FREED, SENT_USE, slot, masked, mask_ptr,
+                                                      saved_mask_ptr, status_ptr, timeout_ns, PHASE_LL_DISPATCH_SLOT,
+                                                      NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
         while sent_token < num_tokens:
             _write_token(send_data, send_scales, send_addresses, send_destinations, sent_token, masked, ranks,
                          NUM_TOPK, TOPK_PAD, HIDDEN, HIDDEN_PAD, USE_FP8, GROUPS_PAD, DATA_WORDS, SCALE_WORDS)
@@ -253,14 +239,14 @@ def low_latency_dispatch_kernel(
         for expert in range(pid, num_experts, num_programs):
             count = tl.sum((experts == expert).to(tl.int32), axis=0)
             tl.store(staged + expert, (call << 32) | count.to(tl.int64))
-        fence_system(GPU)
-        if last_program_done(control + ROWS_SENT):
-            fence_system(GPU)
+        signals.fence_system(GPU)
+        if signals.last_program_done(control + ROWS_SENT):
+            signals.fence_system(GPU)
             _raise_flags(staged, peer_base_ptrs, area, my_area, slot, rank, masked, ranks, num_experts,
                          experts_per_rank, NUM_RANKS, 1024, GPU)
 
     if DO_RECV:
-        call = load_own_counter(control + SEQUENCE_RECEIVED + slot) + 1
+        call = signals.load_own_counter(control + SEQUENCE_RECEIVED + slot) + 1
         slots_per_expert = NUM_RANKS * num_max_tokens.to(tl.int64)
         receive_slot = (my_area + CONTROL_BYTES + slot * slot_bytes).to(tl.pointer_type(tl.int32))
         # One item per (local expert, source): every item waits for the expert's flags from the
@@ -270,14 +256,15 @@ def low_latency_dispatch_kernel(
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
             local_expert = item // NUM_RANKS
             source = item % NUM_RANKS
-            started = now_ns(GPU)
+            started = signals.now_ns(GPU)
             target = (call << 32) + tl.zeros([RANKS_PAD], tl.int64)
-            flags = wait_all_at_least(control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks,
-                                      target, heard, status_ptr, timeout_ns, PHASE_LL_DISPATCH_DATA, ranks, mask_ptr,
-                                      saved_mask_ptr, NUM_RANKS, HAS_MASK, GPU)
-            heard = heard & ~gave_up(flags, target)   # shrink mode: a source that timed out sends nothing
+            flags = signals.wait_all_at_least(
+                control + FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + real_ranks, target, heard,
+                status_ptr, timeout_ns, PHASE_LL_DISPATCH_DATA, ranks, mask_ptr, saved_mask_ptr, NUM_RANKS, HAS_MASK,
+                GPU)
+            heard = heard & ~signals.gave_up(flags, target)   # shrink mode: a source that timed out sends nothing
             if HAS_WAIT_STATS:
-                waited = tl.where(rank_masked(masked, ranks, source), 0, now_ns(GPU) - started)
+                waited = tl.where(signals.rank_masked(masked, ranks, source), 0, signals.now_ns(GPU) - started)
                 tl.atomic_add(wait_stats_ptr + source, waited, sem="relaxed")
             counts = tl.where(heard, tl.minimum(flags & LOW_32_BITS, num_max_tokens), 0).to(tl.int32)
             begin = tl.sum(tl.where(ranks < source, counts, 0), axis=0)
@@ -318,6 +305,6 @@ def low_latency_dispatch_kernel(
                     tl.store(out_src_info_ptr + out_base + rows, tl.full([BLOCK], -1, tl.int32),
                              mask=rows < slots_per_expert)
 
-    finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED,
-                              SENT_USE, DONE_SEND, DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND,
-                              DO_RECV, GPU)
+    signals.finish_low_latency_launch(
+        control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED, SENT_USE, DONE_SEND,
+        DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND, DO_RECV, GPU)

@@ -61,32 +61,38 @@ def _layout(tensor: torch.Tensor | None) -> tuple | None:
     return tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device()
 
 
-def _fitting_addresses(replay: CachedDispatchReplay | CombineReplay, main: torch.Tensor,
-                       other: torch.Tensor | None) -> tuple[int, int] | None:
-    """(main's address, other's or else main's) when a call with these inputs fits what
-    ``replay`` learnt, else None: another layout, a misaligned input, or an engine state
-    that sends every call through the general path (other kernel shapes, a time-out to
-    report, a num_worst_tokens dispatch whose counts are still to be checked)."""
-    state = replay.state
-    if (state.launch_generation != replay.launch_generation or replay.status_view[0]
-            or state.unchecked_padding is not None or (_layout(main), _layout(other)) != replay.layout):
-        return None
-    main_address = main.data_ptr()
-    other_address = main_address if other is None else other.data_ptr()
-    return None if (main_address | other_address) & 15 else (main_address, other_address)
+class _HandleReplay:
+    """What both replays check first: the engine's state and the input layout they learnt."""
+
+    __slots__ = ("state", "launch_generation", "status_view", "device", "layout")
+
+    def __init__(self, state: NormalState, main: torch.Tensor, other: torch.Tensor | None) -> None:
+        self.state, self.launch_generation = state, state.launch_generation
+        self.status_view, self.device = state.status.view, state.device
+        self.layout = (_layout(main), _layout(other))
+
+    def fitting_addresses(self, main: torch.Tensor, other: torch.Tensor | None) -> tuple[int, int] | None:
+        """(main's address, other's or else main's) when a call with these inputs fits what this
+        replay learnt, else None: another layout, a misaligned input, or an engine state that
+        sends every call through the general path (other kernel shapes, a time-out to report, a
+        num_worst_tokens dispatch whose counts are still to be checked)."""
+        state = self.state
+        if (state.launch_generation != self.launch_generation or self.status_view[0]
+                or state.unchecked_padding is not None or (_layout(main), _layout(other)) != self.layout):
+            return None
+        main_address = main.data_ptr()
+        other_address = main_address if other is None else other.data_ptr()
+        return None if (main_address | other_address) & 15 else (main_address, other_address)
 
 
-class CachedDispatchReplay:
+class CachedDispatchReplay(_HandleReplay):
     """A cached dispatch of one handle, input layout and num_sms: its send and receive launches."""
 
-    __slots__ = ("state", "launch_generation", "status_view", "device", "layout", "rows", "scale_words", "receivers",
-                 "send", "send_args", "receive", "receive_args", "send_job")
+    __slots__ = ("rows", "scale_words", "receivers", "send", "send_args", "receive", "receive_args", "send_job")
 
     def __init__(self, state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, send: Any, receive: Any,
                  rows: int, scale_words: int, receivers: int) -> None:
-        self.state, self.launch_generation = state, state.launch_generation
-        self.status_view, self.device = state.status.view, state.device
-        self.layout = (_layout(x), _layout(scales))
+        super().__init__(state, x, scales)
         self.rows, self.scale_words, self.receivers = rows, scale_words, receivers
         self.send, self.receive = send, receive
         self.send_args = None if send is None else list(send.args)
@@ -116,14 +122,14 @@ class CachedDispatchReplay:
 
     def __call__(self, x: torch.Tensor, scales: torch.Tensor | None) -> Any:
         """recv_x (or (recv_x, recv_scales)) of the cached dispatch, or None: take the general path."""
-        addresses = _fitting_addresses(self, x, scales)
+        addresses = self.fitting_addresses(x, scales)
         if addresses is None:
             return None
-        x_address, scales_address = addresses
-        state, device = self.state, self.device
-        recv_x = torch.empty(self.rows, x.shape[1], dtype=x.dtype, device=device)
+        recv_x = torch.empty(self.rows, x.shape[1], dtype=x.dtype, device=self.device)
         recv_scales = None if scales is None else torch.empty(self.rows, self.scale_words, dtype=scales.dtype,
-                                                              device=device)
+                                                              device=self.device)
+        x_address, scales_address = addresses
+        state = self.state
         epoch = state.dispatch_epoch = state.dispatch_epoch + 1
         released = state.dispatch_released
         for args in (self.send_args, self.receive_args) if self.send is not None else (self.receive_args,):
@@ -142,19 +148,17 @@ class CachedDispatchReplay:
         return recv_x if scales is None else (recv_x, recv_scales)
 
 
-class CombineReplay:
+class CombineReplay(_HandleReplay):
     """A combine without bias of one handle, input layout and num_sms: its launch, and the
     copy-engine side work before it when the rows cross on the copy engines."""
 
-    __slots__ = ("state", "launch_generation", "status_view", "device", "layout", "copier", "copies",
-                 "rank_prefix_matrix", "num_tokens", "reducers", "pieces", "regions", "launch", "args")
+    __slots__ = ("copier", "copies", "rank_prefix_matrix", "num_tokens", "reducers", "pieces", "regions", "launch",
+                 "args")
 
     def __init__(self, state: NormalState, copier: CombineCopier | None, x: torch.Tensor,
                  topk_weights: torch.Tensor | None, handle: DispatchHandle, launch: Any, num_tokens: int,
                  reducers: int, pieces: int, regions: list[int]) -> None:
-        self.state, self.launch_generation = state, state.launch_generation
-        self.status_view, self.device = state.status.view, state.device
-        self.layout = (_layout(x), _layout(topk_weights))
+        super().__init__(state, x, topk_weights)
         # What the copy-engine side work reads of the handle (not the handle itself: the replay
         # lives in the handle's table, and a cycle would keep its tensors until the cyclic GC).
         self.copier, self.copies = copier, handle.backend_state.combine_copies
@@ -185,14 +189,14 @@ class CombineReplay:
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(combined_x, combined_topk_weights), launched, or None: take the general path."""
-        addresses = _fitting_addresses(self, x, topk_weights)
+        addresses = self.fitting_addresses(x, topk_weights)
         if addresses is None:
             return None
-        x_address, weights_address = addresses
-        state, device = self.state, self.device
-        out = torch.empty(self.num_tokens, x.shape[1], dtype=torch.bfloat16, device=device)
+        out = torch.empty(self.num_tokens, x.shape[1], dtype=torch.bfloat16, device=self.device)
         out_weights = None if topk_weights is None else torch.empty(
-            self.num_tokens, topk_weights.shape[1], dtype=torch.float32, device=device)
+            self.num_tokens, topk_weights.shape[1], dtype=torch.float32, device=self.device)
+        x_address, weights_address = addresses
+        state = self.state
         epoch = state.combine_epoch = state.combine_epoch + 1
         released = state.combine_released
         if self.pieces:
