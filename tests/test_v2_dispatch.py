@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch_defaults import pool_options
+from torch_defaults import pool_options, torch_defaults
 from v2_world import FP8, build_world, fp8_input
 
 import tritonep as deep_ep
@@ -210,9 +210,36 @@ def case_readme(group) -> None:
     assert torch.equal(decoded, buffer.combine(recv_x, handle)[0])
 
 
+def _flow(group, world) -> list[torch.Tensor]:
+    """Most of ElasticBuffer's calls; every tensor the test makes names its device."""
+    rank = group.rank()
+    x, topk, weights = world.x[rank], world.topk[rank], world.weights[rank]
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=world.T, hidden=H, num_topk=K)
+    stats = torch.zeros(E_LOCAL, dtype=torch.int32, device="cpu")
+    recv_x, recv_idx, recv_w, handle, _ = _dispatch(buffer, x, topk, weights, expert_alignment=4,
+                                                    cumulative_local_expert_recv_stats=stats)
+    combined = buffer.combine(recv_x, handle, topk_weights=recv_w, bias=(x, x))[:2]
+    (data, scales), _, e_w, e_handle, _ = _dispatch(buffer, fp8_input(world, rank), topk, weights, do_expand=True,
+                                                    do_cpu_sync=False, do_zero_padding=True, expert_alignment=4)
+    e_combined = buffer.combine(buffer.dispatch(x, handle=e_handle, do_expand=True)[0], e_handle)[0]
+    return [recv_x, recv_idx, recv_w, *combined, stats, data.view(torch.uint8), scales, e_w, e_combined,
+            handle.psum_num_recv_tokens_per_expert, e_handle.recv_src_metadata, e_handle.dst_buffer_slot_idx]
+
+
+def case_torch_defaults(group) -> None:
+    """Nothing may follow torch's default dtype or device (DeepEP's users set bf16 and cuda):
+    under bf16 and the meta device, whose tensors cannot be mixed with CPU ones or read, the
+    flow gives the same results."""
+    world = build_world(group.size(), 3, H=H, E_local=E_LOCAL, K=K)
+    plain = _flow(group, world)
+    with torch_defaults(torch.bfloat16, "meta"):
+        changed = _flow(group, world)
+    assert all(torch.equal(a, b) for a, b in zip(plain, changed))
+
+
 # ----------------------------------------------------------------------------- the tests
 CASES = [case_optional_weights_and_bias, case_handle_copy_and_num_sms, case_col_major_scales, case_events,
-         case_deterministic, case_no_sync_handles, case_cached_fp8_expanded, case_readme]
+         case_deterministic, case_no_sync_handles, case_cached_fp8_expanded, case_readme, case_torch_defaults]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.__name__.removeprefix("case_"))

@@ -189,11 +189,11 @@ CASES: dict[str, Case] = {
     "combine: x float32": (lambda c: c.buf.combine(_rows(c).float(), c.handle),
                            ("x must have dtype torch.bfloat16", "got torch.float32")),
     "combine: 1-D weights, not expanded": (
-        lambda c: c.buf.combine(_rows(c), c.handle, topk_weights=torch.zeros(c.handle.num_recv_tokens)),
+        lambda c: c.buf.combine(_rows(c), c.handle, topk_weights=torch.zeros(M, dtype=torch.float32)),
         (f"topk_weights must have shape [{M}, {K}]", f"got [{M}]")),
     "combine: 2-D weights, expanded": (
         lambda c: c.buf.combine(torch.zeros(c.expanded.num_expanded_tokens, H, dtype=torch.bfloat16), c.expanded,
-                                topk_weights=torch.zeros(c.expanded.num_expanded_tokens, K)),
+                                topk_weights=torch.zeros(PAIRS, K, dtype=torch.float32)),
         (f"topk_weights must have shape [{PAIRS}]", f"got [{PAIRS}, {K}]")),
     "combine: bias shape": (lambda c: c.buf.combine(_rows(c), c.handle, bias=torch.zeros(N + 1, H,
                                                                                          dtype=torch.bfloat16)),
