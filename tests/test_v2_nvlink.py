@@ -46,8 +46,17 @@ def _calls(group, backend: str, world) -> tuple[list, list]:
                   num_sms=4)
     exact, combined = [], []
     recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(x, **kwargs)
-    exact += [recv_x, recv_idx, recv_w, *_fields(handle), buffer.dispatch(x2, handle=handle)[0]]
+    cached = buffer.dispatch(x2, handle=handle)[0]
+    exact += [recv_x, recv_idx, recv_w, *_fields(handle), cached]
     combined += list(buffer.combine(recv_x, handle, topk_weights=recv_w, bias=bias)[:2])
+    # Repeats with a handle (every layer's backward, every decode step): on a GPU they take the
+    # engine's replays (the interpreter compiles no launch to replay, so here the general path).
+    for scale in (2.0, 4.0):
+        assert torch.equal(buffer.dispatch((x2.float() * scale).to(torch.bfloat16), handle=handle)[0],
+                           (cached.float() * scale).to(torch.bfloat16))
+        again = buffer.combine(recv_x, handle, topk_weights=recv_w)
+        assert torch.equal(again[0], buffer.combine(recv_x, handle, topk_weights=recv_w)[0])
+    combined.append(again[0])
     (data, scales), _, e_w, e_handle, _ = buffer.dispatch(fp8_input(world, rank), do_expand=True,
                                                           do_zero_padding=True, do_cpu_sync=False, **kwargs)
     exact += [data.view(torch.uint8), scales, e_w, *_fields(e_handle)]
