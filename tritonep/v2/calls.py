@@ -64,7 +64,13 @@ class Received:
     handle: EPHandle
 
     def tensors(self) -> tuple:
-        return self.x, self.scales, self.topk_idx, self.topk_weights
+        """Every tensor made on the communication stream that the caller's stream may read: the
+        outputs and the handle's (``runtime.streams`` records them on the caller's stream)."""
+        handle, state = self.handle, self.handle._state
+        return (self.x, self.scales, self.topk_idx, self.topk_weights, handle.topk_idx,
+                handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
+                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata, handle.dst_buffer_slot_idx,
+                state.recv_topk_idx, state.slots)
 
 
 def wait_for(event: EventOverlap | None) -> None:

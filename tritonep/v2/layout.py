@@ -59,7 +59,7 @@ def source_metadata(engine_handle: DispatchHandle, per_source: torch.Tensor, rec
     src_rank = torch.searchsorted(per_source.to(torch.int64), row, right=True)
     local = recv_topk_idx >= 0
     # The first slot k of a local expert: argmax finds the first True (V2's "master" lane).
-    first_k = local.to(torch.int8).argmax(dim=1) if num_topk else torch.zeros_like(row)
+    first_k = local.to(torch.int32).argmax(dim=1) if num_topk else torch.zeros_like(row)
     metadata = torch.full((num_rows, num_topk + 2), -1, dtype=torch.int32, device=device)
     metadata[:, 0] = torch.where(real, src_rank * num_max_tokens_per_rank + src_token, -1).to(torch.int32)
     metadata[:, 1] = torch.where(real, src_rank * num_topk + first_k, -1).to(torch.int32)
