@@ -192,8 +192,16 @@ class ElasticBuffer:
         return self._num_sms_cache[key]
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
-        """V2's QP count for ``num_sms`` SMs, capped by ``num_allocated_qps``. No engine here uses
-        QPs: the value only keeps V2 code's ``num_qps`` arithmetic valid."""
+        """V2's QP count for ``num_sms`` SMs. No engine here uses QPs: the value only keeps V2
+        code's ``num_qps`` arithmetic valid.
+
+        Arguments:
+            num_sms: the SMs of the dispatch/combine.
+
+        Returns:
+            num_sms * 16 + 1 with ``allow_hybrid_mode``, else min(num_sms, 9); at most
+            ``num_allocated_qps``.
+        """
         require(is_int(num_sms) and num_sms > 0, f"num_sms must be a positive int, got {num_sms!r}")
         return model.theoretical_num_qps(num_sms, self.allow_hybrid_mode, self.num_allocated_qps)
 
@@ -357,10 +365,25 @@ def _domain_group_size(group: dist.ProcessGroup) -> int:
 
 
 def get_physical_domain_size(group: dist.ProcessGroup) -> tuple[int, int]:
-    """(num_rdma_ranks, num_nvlink_ranks) of ``group``: nodes and ranks per node (V2's module-level helper)."""
+    """V2's module-level helper, without a buffer.
+
+    Arguments:
+        group: the expert-parallel process group.
+
+    Returns:
+        (num_rdma_ranks, num_nvlink_ranks): nodes, and ranks per node (``core.topology``).
+    """
     return model.physical_domain_size(_domain_group_size(group))
 
 
 def get_logical_domain_size(group: dist.ProcessGroup, allow_hybrid_mode: bool = True) -> tuple[int, int]:
-    """(num_scaleout_ranks, num_scaleup_ranks) of ``group`` (V2's module-level helper)."""
+    """V2's module-level helper, without a buffer.
+
+    Arguments:
+        group: the expert-parallel process group.
+        allow_hybrid_mode: as in the ElasticBuffer constructor.
+
+    Returns:
+        (num_scaleout_ranks, num_scaleup_ranks): the physical split in hybrid mode, else (1, R).
+    """
     return model.logical_domain_size(_domain_group_size(group), allow_hybrid_mode)
