@@ -1,0 +1,85 @@
+"""ElasticBuffer on the NVLink backend (its Triton kernels under Triton's interpreter, gloo, CPU
+tensors) against the same calls on the collective backend: V2's front end needs nothing of an
+engine beyond the Backend interface, so the NVLink backend serves it as it is.
+
+Dispatch outputs and every handle field must match bit for bit; combine within float32
+accumulation order. Marked ``interpreter`` by conftest (it uses ``interpreter_pools``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from v2_world import build_world, fp8_input
+
+
+def _buffer(group, backend: str, world):
+    import tritonep as deep_ep
+
+    previous = os.environ.get("TRITONEP_BACKEND")
+    os.environ["TRITONEP_BACKEND"] = backend
+    try:
+        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=world.T, hidden=world.H, num_topk=world.K)
+    finally:
+        if previous is None:
+            os.environ.pop("TRITONEP_BACKEND")
+        else:
+            os.environ["TRITONEP_BACKEND"] = previous
+
+
+def _fields(handle) -> list:
+    return [handle.num_recv_tokens, handle.num_expanded_tokens, list(handle.num_recv_tokens_per_expert_list),
+            handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
+            handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata, handle.dst_buffer_slot_idx]
+
+
+def _calls(group, backend: str, world) -> tuple[list, list]:
+    """(exact outputs, combine outputs) of one V2 round trip on ``backend``."""
+    rank = group.rank()
+    buffer = _buffer(group, backend, world)
+    assert type(buffer.backend).__name__ == {"nvlink": "NvlinkBackend", "collective": "CollectiveBackend"}[backend]
+    x, topk, weights, x2 = world.x[rank], world.topk[rank], world.weights[rank], world.x2[rank]
+    bias = world.biases[rank][0] if world.biases[rank] else None
+    kwargs = dict(topk_idx=topk, topk_weights=weights, num_experts=world.E, expert_alignment=world.alignment,
+                  num_sms=4)
+    exact, combined = [], []
+    recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(x, **kwargs)
+    cached = buffer.dispatch(x2, handle=handle)[0]
+    exact += [recv_x, recv_idx, recv_w, *_fields(handle), cached]
+    combined += list(buffer.combine(recv_x, handle, topk_weights=recv_w, bias=bias)[:2])
+    # Repeats with a handle (every layer's backward, every decode step): on a GPU they take the
+    # engine's replays (the interpreter compiles no launch to replay, so here the general path).
+    for scale in (2.0, 4.0):
+        assert torch.equal(buffer.dispatch((x2.float() * scale).to(torch.bfloat16), handle=handle)[0],
+                           (cached.float() * scale).to(torch.bfloat16))
+        again = buffer.combine(recv_x, handle, topk_weights=recv_w)
+        assert torch.equal(again[0], buffer.combine(recv_x, handle, topk_weights=recv_w)[0])
+    combined.append(again[0])
+    (data, scales), _, e_w, e_handle, _ = buffer.dispatch(fp8_input(world, rank), do_expand=True,
+                                                          do_zero_padding=True, do_cpu_sync=False, **kwargs)
+    exact += [data.view(torch.uint8), scales, e_w, *_fields(e_handle)]
+    c_x, _, c_w, _, _ = buffer.dispatch(x2, handle=e_handle, topk_weights=weights, do_expand=True,
+                                        do_zero_padding=True)
+    exact += [c_x, c_w]
+    combined += list(buffer.combine(c_x, e_handle, topk_weights=c_w, bias=bias)[:2])
+    return exact, combined
+
+
+def case_backends_agree(group, world) -> None:
+    nvlink = _calls(group, "nvlink", world)
+    oracle = _calls(group, "collective", world)
+    for index, (got, expected) in enumerate(zip(nvlink[0], oracle[0])):
+        same = torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected
+        assert same, f"rank {group.rank()}: exact output {index} differs between the NVLink and collective backends"
+    for index, (got, expected) in enumerate(zip(nvlink[1], oracle[1])):
+        assert torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2), \
+            f"rank {group.rank()}: combine output {index} differs beyond accumulation order"
+
+
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_nvlink_backend_serves_elastic_buffer(interpreter_pools, alignment):
+    world = build_world(2, seed=alignment, H=128, E_local=2, K=3, alignment=alignment, num_biases=1,
+                        col_major_scales=True)
+    interpreter_pools(2).run(case_backends_agree, world)

@@ -1,0 +1,1 @@
+"""DeepEP V2's front end: ``ElasticBuffer`` and ``EPHandle`` over the engines V1's ``Buffer`` uses."""

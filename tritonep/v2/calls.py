@@ -1,0 +1,229 @@
+"""V2's dispatch and combine as requests to one backend, plus the plain-torch work around them.
+
+A fresh V2 dispatch is a V1 dispatch of the same routing (``get_dispatch_layout``, then
+``dispatch`` with ``num_worst_tokens = R * T`` when there is no CPU sync), followed by the
+handle's fields (:mod:`tritonep.v2.layout`) and, for ``do_expand``, the expanded layout
+(:mod:`tritonep.v2.expand`). A cached dispatch is the engine's cached dispatch, or, when it also
+carries top-k weights (which an engine's cached dispatch does not move), a fresh engine dispatch
+of the handle's top-k. Combine masks the weights to V2's meaning and, expanded, first sums each
+token's expert rows. Everything runs inside the caller's stream scope (``runtime/streams.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tritonep.backends.base import Backend, CombineRequest, DispatchRequest, DispatchResult
+from tritonep.core.config import Config
+from tritonep.core.event import EventOverlap
+from tritonep.v2 import expand, layout
+from tritonep.v2.checks import CombineCall, DispatchCall
+from tritonep.v2.handle import EPHandle, HandleState
+
+# Replay keys of the calls made with an engine handle (its ReplayTable; see core/replay.py).
+_CACHED_DISPATCH, _COMBINE = "v2_cached_dispatch", "v2_combine"
+
+# TMA-aligned column-major scales: each column's stride is a multiple of 4 packs (16 bytes).
+_SF_COLUMN_PACKS = 4
+
+
+@dataclass
+class Engine:
+    """What the calls need of their ElasticBuffer."""
+
+    backend: Backend
+    rank: int
+    num_ranks: int
+    num_scaleup_ranks: int
+    buffer_id: int
+
+
+@dataclass
+class Options:
+    """A dispatch's options that do not change the routing."""
+
+    num_sms: int
+    plain: bool                        # no events: the calls run on the caller's stream
+    do_zero_padding: bool = False
+    do_handle_copy: bool = True
+    col_major_sf: bool = False
+    stats: torch.Tensor | None = None
+    before_epilogue: EventOverlap | None = None
+
+
+@dataclass
+class Received:
+    """A dispatch's outputs (recv_x split from its scales)."""
+
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    handle: EPHandle
+
+    def tensors(self) -> tuple:
+        """Every tensor made on the communication stream that the caller's stream may read: the
+        outputs and the handle's (``runtime.streams`` records them on the caller's stream)."""
+        handle, state = self.handle, self.handle._state
+        return (self.x, self.scales, self.topk_idx, self.topk_weights, handle.topk_idx,
+                handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
+                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata, handle.dst_buffer_slot_idx,
+                state.recv_topk_idx, state.slots)
+
+
+def wait_for(event: EventOverlap | None) -> None:
+    """The current stream waits for ``event`` (V2's ``previous_event_before_epilogue``)."""
+    if event is not None and event.event is not None:
+        torch.cuda.current_stream().wait_event(event.event)
+
+
+def _col_major(scales: torch.Tensor | None, enabled: bool) -> torch.Tensor | None:
+    """V2's ``use_tma_aligned_col_major_sf`` layout: token stride 1, column stride a multiple of 4."""
+    if scales is None or not enabled:
+        return scales
+    rows, columns = scales.shape
+    stride = (rows + _SF_COLUMN_PACKS - 1) // _SF_COLUMN_PACKS * _SF_COLUMN_PACKS
+    out = torch.empty_strided((rows, columns), (1, max(stride, 1)), dtype=scales.dtype, device=scales.device)
+    return out.copy_(scales)
+
+
+def _engine_dispatch(engine: Engine, call: DispatchCall, weights: torch.Tensor, num_worst_tokens: int,
+                     num_sms: int) -> DispatchResult:
+    """A fresh engine dispatch of ``call.topk_idx`` (layout, then dispatch)."""
+    backend = engine.backend
+    per_rank, per_expert, in_rank = backend.get_dispatch_layout(call.topk_idx, call.num_experts)
+    return backend.dispatch(DispatchRequest(
+        x=call.x, x_scales=call.scales, topk_idx=call.topk_idx, topk_weights=weights, is_token_in_rank=in_rank,
+        num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, num_experts=call.num_experts,
+        expert_alignment=call.expert_alignment, num_worst_tokens=num_worst_tokens, cached_handle=None,
+        config=Config(num_sms=num_sms)))
+
+
+def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
+    """A dispatch without a handle: the engine's, then the handle's fields and the layout."""
+    R, T = engine.num_ranks, call.num_max_tokens_per_rank
+    num_tokens, num_topk = call.topk_idx.shape
+    experts_per_rank = call.num_experts // R
+    device = call.x.device
+    # The engines move top-k weights with top-k ids; V2 lets a dispatch go without weights.
+    weights = call.topk_weights if call.topk_weights is not None else \
+        torch.zeros(num_tokens, num_topk, dtype=torch.float32, device=device)
+    result = _engine_dispatch(engine, call, weights, 0 if call.do_cpu_sync else R * T, options.num_sms)
+    wait_for(options.before_epilogue)
+    engine_handle, recv_idx = result.handle, result.recv_topk_idx
+    assert recv_idx is not None and result.recv_topk_weights is not None
+    rows = engine_handle.num_recv_rows
+    if call.do_cpu_sync:
+        expert_list = list(result.num_recv_tokens_per_expert_list or [])
+        num_recv, num_expanded = rows, sum(expert_list)
+    else:
+        expert_list = []
+        num_recv = R * T
+        num_expanded = expand.worst_expanded_rows(R, T, num_topk, experts_per_rank, call.expert_alignment)
+    slots = starts = None
+    recv_x, recv_scales, recv_weights = result.recv_x, result.recv_x_scales, result.recv_topk_weights
+    if call.do_expand:
+        slots, counts, starts = expand.expert_slots(recv_idx, experts_per_rank, call.expert_alignment)
+        recv_x = expand.expand_rows(recv_x, slots, num_expanded, options.do_zero_padding)
+        if recv_scales is not None:
+            recv_scales = expand.expand_rows(recv_scales, slots, num_expanded, options.do_zero_padding)
+        recv_weights = expand.expand_weights(recv_weights, slots, num_expanded)
+    else:
+        counts = layout.expert_counts(recv_idx, experts_per_rank)
+    if options.stats is not None:
+        options.stats.add_(counts)
+    per_source = layout.rows_from_rank(engine_handle, engine.rank)
+    state = HandleState(engine.buffer_id, engine_handle, recv_idx, slots, rows, call.x.shape[1])
+    handle = EPHandle(
+        do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=call.expert_alignment,
+        num_max_tokens_per_rank=T, num_sms=options.num_sms,
+        topk_idx=call.topk_idx.clone() if options.do_handle_copy else call.topk_idx,
+        num_recv_tokens=num_recv, num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=expert_list,
+        psum_num_recv_tokens_per_scaleup_rank=layout.scaleup_prefix(per_source, engine.num_scaleup_ranks),
+        psum_num_recv_tokens_per_expert=layout.expert_prefix(counts, starts, call.expert_alignment),
+        num_unaligned_recv_tokens_per_expert=counts,
+        recv_src_metadata=layout.source_metadata(engine_handle, per_source, recv_idx, slots, T),
+        dst_buffer_slot_idx=layout.destination_rows(call.topk_idx, engine_handle, engine.rank, experts_per_rank),
+        state=state)
+    return Received(recv_x, _col_major(recv_scales, options.col_major_sf), None if call.do_expand else recv_idx,
+                    recv_weights if call.topk_weights is not None else None, handle)
+
+
+def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
+    """A dispatch with a handle: the same rows to the same places, no count exchange."""
+    handle = call.handle
+    assert handle is not None
+    state = handle._state
+    engine_handle = state.engine_handle
+    recv_weights = None
+    if call.topk_weights is None:
+        key = (_CACHED_DISPATCH, options.num_sms, call.scales is None)
+        replay = engine_handle.replays.get(key) if options.plain else None
+        replayed = replay(call.x, call.scales) if replay is not None else None
+        if replayed is not None:
+            recv_x, recv_scales = replayed if isinstance(replayed, tuple) else (replayed, None)
+        else:
+            result = engine.backend.dispatch(DispatchRequest(
+                x=call.x, x_scales=call.scales, topk_idx=None, topk_weights=None,
+                is_token_in_rank=engine_handle.is_token_in_rank, num_tokens_per_rank=None, num_tokens_per_expert=None,
+                num_experts=0, expert_alignment=call.expert_alignment, num_worst_tokens=0,
+                cached_handle=engine_handle, config=Config(num_sms=options.num_sms)))
+            engine_handle.replays.learn(key, result.replay)
+            recv_x, recv_scales = result.recv_x, result.recv_x_scales
+    else:
+        # The rows come in the same order as the handle's (the engines' order is fixed by the
+        # routing); padded to the worst case, so that no count is read back, then cut to the
+        # handle's rows.
+        result = _engine_dispatch(engine, call, call.topk_weights, engine.num_ranks * call.num_max_tokens_per_rank,
+                                  options.num_sms)
+        recv_x, recv_scales = result.recv_x[:state.rows], result.recv_x_scales
+        if recv_scales is not None:
+            recv_scales = recv_scales[:state.rows]
+        assert result.recv_topk_weights is not None
+        recv_weights = result.recv_topk_weights[:state.rows]
+    wait_for(options.before_epilogue)
+    recv_idx = None
+    if call.do_expand:
+        assert state.slots is not None
+        rows = handle.num_expanded_tokens
+        recv_x = expand.expand_rows(recv_x, state.slots, rows, options.do_zero_padding)
+        if recv_scales is not None:
+            recv_scales = expand.expand_rows(recv_scales, state.slots, rows, options.do_zero_padding)
+        if recv_weights is not None:
+            recv_weights = expand.expand_weights(recv_weights, state.slots, rows)
+    else:
+        recv_idx = state.recv_topk_idx.clone()
+    return Received(recv_x, _col_major(recv_scales, options.col_major_sf), recv_idx, recv_weights, handle)
+
+
+def combine(engine: Engine, call: CombineCall, num_sms: int, plain: bool,
+            before_epilogue: EventOverlap | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert outputs back to their tokens: (combined_x, combined_topk_weights)."""
+    handle = call.handle
+    state = handle._state
+    wait_for(before_epilogue)
+    weights = call.topk_weights
+    if handle.do_expand:
+        assert state.slots is not None
+        rows = expand.reduce_rows(call.x, state.slots)
+        if weights is not None:
+            weights = expand.gather_weights(weights, state.slots)
+    else:
+        rows = call.x
+        if weights is not None:
+            # V2 gives each slot k the weight from the rank of k's expert; the engine sums a
+            # token's rows over ranks, so every other rank's column k must add 0.
+            weights = torch.where(state.recv_topk_idx >= 0, weights, 0.0)
+    no_bias = call.bias[0] is None and call.bias[1] is None
+    key = (_COMBINE, num_sms, weights is None)
+    replay = state.engine_handle.replays.get(key) if plain and no_bias else None
+    replayed = replay(rows, weights) if replay is not None else None
+    if replayed is not None:
+        return replayed[0], replayed[1]
+    result = engine.backend.combine(CombineRequest(rows, state.engine_handle, weights, call.bias,
+                                                   Config(num_sms=num_sms)))
+    if no_bias:
+        state.engine_handle.replays.learn(key, result.replay)
+    return result.combined_x, result.combined_topk_weights

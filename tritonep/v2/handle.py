@@ -1,0 +1,90 @@
+"""``EPHandle``: what a V2 dispatch returns, reused by a cached dispatch and by combine.
+
+Its public fields are DeepEP V2's, holding what V2's hold (``deep_ep/utils/refs.py`` states the
+semantics), worked out from the engine's results by :mod:`tritonep.v2.layout`. Without a CPU sync
+(``do_cpu_sync=False``) the counts are device tensors and the sizes are the worst case, as in
+V2. The engine's own handle and the receive-side routing ride along privately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tritonep.core.handles import DispatchHandle
+
+
+@dataclass
+class HandleState:
+    """What the front end keeps beside the public fields (not part of V2's API)."""
+
+    buffer_id: int                    # the ElasticBuffer that made the handle
+    engine_handle: DispatchHandle     # the backend's handle: layout of the received rows
+    recv_topk_idx: torch.Tensor       # [rows, K] int64: local expert ids of the received rows, -1 elsewhere
+    slots: torch.Tensor | None        # [rows, K] int32: each (row, k)'s expanded row, -1 for none (expanded only)
+    rows: int                         # rows of the non-expanded layout (the engine's, padding included)
+    hidden: int
+
+
+class EPHandle:
+    """The routing of one V2 dispatch.
+
+    Attributes:
+        do_expand: the dispatch used the expanded layout (one row per token and local expert).
+        num_experts: all experts, E.
+        expert_alignment: each local expert's received count is padded to a multiple of this.
+        num_max_tokens_per_rank: T, the bound on any rank's tokens (the same on all ranks).
+        num_sms: the num_sms of the dispatch (combine's default).
+        topk_idx: [N, K] int64, the dispatch's global expert ids (a copy with ``do_handle_copy``).
+        psum_num_recv_tokens_per_scaleup_rank: int32 [num_scaleup_ranks], inclusive prefix sum of
+            the tokens received from the ranks of each scale-up index (a token counted once per
+            rank); the last entry is the total. With one scale-out rank these are the row
+            boundaries of the received blocks, which come by source rank ascending.
+        psum_num_recv_tokens_per_expert: int32 [E/R]. Not expanded: the inclusive prefix sum of
+            the aligned per-expert counts. Expanded: entry i is expert i's aligned start plus its
+            real count, so ``psum[i] - align(psum[i-1])`` is expert i's count and
+            ``align(psum[i])`` expert i+1's first row.
+        num_recv_tokens_per_expert_list: Python list of the aligned per-expert counts (empty
+            without a CPU sync).
+        num_unaligned_recv_tokens_per_expert: int32 [E/R], the real per-expert counts.
+        recv_src_metadata: int32 [rows, K + 2] per received row: source rank * T + source token
+            index, source rank * K + the first slot k whose expert is local, then (expanded
+            layout) the expanded row of each slot k, -1 where slot k's expert lives elsewhere;
+            -1 throughout on padding rows and, not expanded, in the last K columns.
+        dst_buffer_slot_idx: int32 [N, K] per token and slot: the row that holds this token on
+            the rank of that slot's expert (-1 where topk_idx is -1).
+        token_metadata_at_forward, channel_linked_list: V2's hybrid-mode forwarding records;
+            None (the engines here send every row directly to its rank).
+        num_recv_tokens: received tokens (rows of a non-expanded recv_x), or R * T without a CPU sync.
+        num_expanded_tokens: rows of an expanded recv_x: the aligned counts' sum, or the worst
+            case ``align(R * T * min(K, E/R) + (expert_alignment - 1) * E/R)`` without a CPU sync.
+    """
+
+    def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
+                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
+                 num_recv_tokens_per_expert_list: list[int], psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
+                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
+                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, state: HandleState) -> None:
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.topk_idx = topk_idx
+        self.num_recv_tokens = num_recv_tokens
+        self.num_expanded_tokens = num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward: torch.Tensor | None = None
+        self.channel_linked_list: torch.Tensor | None = None
+        self._state = state
+
+    def __repr__(self) -> str:
+        return (f"EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "
+                f"expert_alignment={self.expert_alignment}, num_max_tokens_per_rank={self.num_max_tokens_per_rank}, "
+                f"num_recv_tokens={self.num_recv_tokens}, num_expanded_tokens={self.num_expanded_tokens})")
