@@ -11,8 +11,6 @@ Cases that need several ranks (E not divisible by R; ranks that disagree on size
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch_defaults import default_dtype, pool_options, torch_defaults
+from single_rank import NoCommunication, one_rank_group
+from torch_defaults import default_dtype, pool_options
 
 import tritonep as deep_ep
 from tritonep import InputError
@@ -34,46 +33,7 @@ M = 5  # rows the 1-rank dispatch of ctx receives: the tokens with at least one 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def group():
-    """A gloo group of world size 1 in this process. The module's in-process cases run under the
-    default dtype TRITONEP_TEST_DEFAULT_DTYPE asks for, like the rank workers (torch_defaults.py)."""
-    created = False
-    if not dist.is_initialized():
-        store_file = tempfile.NamedTemporaryFile(prefix="tritonep_errors_", delete=False)
-        store_file.close()
-        os.unlink(store_file.name)
-        dist.init_process_group("gloo", store=dist.FileStore(store_file.name, 1), rank=0, world_size=1)
-        created = True
-    if dist.get_world_size() != 1:
-        pytest.skip("a process group of another size is already initialised in this process")
-    with torch_defaults(default_dtype()):
-        yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-
-
-class NoCommunication:
-    """Stands in for a Buffer's backend during a bad call: reaching the transport fails the test."""
-
-    ALLOWED = frozenset({"device", "comm_stream", "rank", "num_ranks", "buffer_id", "group"})
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-
-    # Asked before the checks (the repeat paths of calls with a handle): they only look at the
-    # inputs, and must decline every bad call, so that the general path raises.
-    REPEATS = frozenset({"repeat_cached_dispatch", "repeat_combine"})
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self.ALLOWED:
-            return getattr(self._real, name)
-        if name in self.REPEATS:
-            def declined(*args: Any) -> None:
-                result = getattr(self._real, name)(*args)
-                assert result is None, f"backend.{name} repeated a bad call"
-                return None
-            return declined
-        raise AssertionError(f"backend.{name} was reached: a bad call must be rejected before any "
-                             "communication")
+    yield from one_rank_group("tritonep_errors_")
 
 
 @dataclass

@@ -8,16 +8,13 @@ given; the cases assert on both fragments.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch_defaults import default_dtype, torch_defaults
+from single_rank import NoCommunication, one_rank_group
 
 import tritonep as deep_ep
 from tritonep import InputError
@@ -30,34 +27,7 @@ MIB2 = 2 << 20
 
 @pytest.fixture(scope="module")
 def group():
-    """A gloo group of world size 1 in this process (as tests/test_errors.py makes one)."""
-    created = False
-    if not dist.is_initialized():
-        store_file = tempfile.NamedTemporaryFile(prefix="tritonep_v2_errors_", delete=False)
-        store_file.close()
-        os.unlink(store_file.name)
-        dist.init_process_group("gloo", store=dist.FileStore(store_file.name, 1), rank=0, world_size=1)
-        created = True
-    if dist.get_world_size() != 1:
-        pytest.skip("a process group of another size is already initialised in this process")
-    with torch_defaults(default_dtype()):
-        yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
-
-
-class NoCommunication:
-    """Stands in for a backend during a bad call: reaching the transport fails the test."""
-
-    ALLOWED = frozenset({"device", "comm_stream", "rank", "num_ranks", "buffer_id", "group"})
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self.ALLOWED:
-            return getattr(self._real, name)
-        raise AssertionError(f"backend.{name} was reached: a bad call must be rejected before any communication")
+    yield from one_rank_group("tritonep_v2_errors_")
 
 
 @dataclass

@@ -123,18 +123,12 @@ class Buffer:
         check_node_split(kind, self.num_nodes, self.ranks_per_node)
         if group is None:
             group = group_from_comm(comm)   # the first communication
-        self.group = group
-        self.comm = comm
-        self.rank = group.rank()
-        self.group_size = group.size()
-        self.num_nvl_bytes = num_nvl_bytes
-        self.num_rdma_bytes = num_rdma_bytes
-        self.low_latency_mode = low_latency_mode
-        self.num_qps_per_rank = num_qps_per_rank
+        self.group, self.comm, self.rank, self.group_size = group, comm, group.rank(), group.size()
+        # Every constructor argument is kept, under its own name (DeepEP's code reads some of them).
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.num_qps_per_rank = low_latency_mode, num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
-        self.allow_mnnvl = allow_mnnvl
-        self.use_fabric = use_fabric
-        self.explicitly_destroy = explicitly_destroy
+        self.allow_mnnvl, self.use_fabric, self.explicitly_destroy = allow_mnnvl, use_fabric, explicitly_destroy
         self.enable_shrink = enable_shrink
         self._low_latency_sizes_checked: set[tuple[int, int, int]] = set()
         self._low_latency_options_checked: set[tuple] = set()   # option sets whose static checks passed
