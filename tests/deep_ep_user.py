@@ -228,6 +228,23 @@ def check_identity(combined_x: torch.Tensor, x: torch.Tensor, topk_idx: torch.Te
     assert torch.equal(combined_x.cpu(), expected)
 
 
+def check_wait_stats(stats: torch.Tensor) -> None:
+    """A ``*_wait_recv_cost_stats`` tensor after calls that received rows from every rank.
+
+    The CPU backend times the host's wait for the one all_to_all that brings every rank's rows
+    (nanoseconds: never 0) and adds it to every rank's entry, so the entries are equal and
+    positive. The NVLink kernels add each receive item's wait, timed on the GPU clock, to its
+    source's entry: a source whose rows were already there may add nothing the clock can see,
+    but a rank that received waited for some.
+    """
+    values = stats.cpu()
+    assert stats.dtype == torch.int64 and bool((values >= 0).all()), values.tolist()
+    if stats.is_cuda:
+        assert int(values.sum()) > 0, values.tolist()
+    else:
+        assert bool((values > 0).all()) and bool((values == values[0]).all()), values.tolist()
+
+
 def round_trip(buffer: deep_ep.Buffer, group: dist.ProcessGroup, problem: Problem) -> None:
     """A fresh dispatch and its combine, checked with the identity."""
     x, topk_idx, weights = my_normal_inputs(group, problem)
