@@ -218,14 +218,20 @@ def dispatch_with_layout(buffer: deep_ep.Buffer, x, topk_idx, topk_weights, num_
                            topk_weights=topk_weights, **kwargs)
 
 
+@plain_torch()
+def identity_combine(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """bf16 on the CPU: what ``combine(dispatch(x))`` gives when every rank returns the rows it
+    received, from ``topk_idx`` alone: each token times the number of ranks its experts are on
+    (copies of one bf16 value sum exactly in float32, and round once)."""
+    _, _, in_rank = reference_layout(topk_idx.cpu(), num_experts, num_ranks)
+    return (x.cpu().float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16)
+
+
 def check_identity(combined_x: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                    num_ranks: int) -> None:
-    """``combine(dispatch(x)) == x * is_token_in_rank.sum(1)``: copies of one bf16 value sum exactly."""
-    _, _, in_rank = reference_layout(topk_idx.cpu(), num_experts, num_ranks)
-    with plain_torch():
-        expected = (x.cpu().float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16)
+    """``combine(dispatch(x)) == x * is_token_in_rank.sum(1)``, exactly."""
     assert combined_x.dtype == torch.bfloat16 and combined_x.device.type == x.device.type
-    assert torch.equal(combined_x.cpu(), expected)
+    assert torch.equal(combined_x.cpu(), identity_combine(x, topk_idx, num_experts, num_ranks))
 
 
 def check_wait_stats(stats: torch.Tensor) -> None:
