@@ -254,6 +254,6 @@ def fast_path_matches_general_path(group: dist.ProcessGroup) -> list[str]:
     return problems
 
 
-def test_fast_path_launches_what_the_general_path_launches(interpreter_pools) -> None:
-    problems = interpreter_pools(1).run(fast_path_matches_general_path)
+def test_fast_path_launches_what_the_general_path_launches(nvlink_host_pools) -> None:
+    problems = nvlink_host_pools(1).run(fast_path_matches_general_path)
     assert problems == [[]]
