@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from tritonep import fp8
+
 
 def random_routing(generator: torch.Generator, num_tokens: int, num_experts: int, num_topk: int,
                    drop: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,22 +26,30 @@ def odd_strides_if_empty(x: torch.Tensor, hidden: int) -> torch.Tensor:
     return torch.zeros(0, 1, dtype=x.dtype).expand(0, hidden) if x.shape[0] == 0 else x
 
 
+def dequantised(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 rows from e4m3 ``data`` [..., H] and float32 ``scales`` [..., H/128]."""
+    return (data.float().view(*data.shape[:-1], data.shape[-1] // 128, 128) * scales.unsqueeze(-1)).view(data.shape)
+
+
+def dispatched_rows(x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
+    """float32: the rows of ``x`` as a low-latency dispatch hands them to the experts, through
+    the e4m3 cast (tritonep.fp8's rounding, default scales) and back with ``use_fp8``."""
+    return dequantised(*fp8.cast_to_fp8(x)) if use_fp8 else x.float()
+
+
 def stand_in_expert(packed, use_fp8: bool, me: int) -> torch.Tensor:
     """Low-latency expert outputs: each (dequantised) row times (its global expert id + 1), so
     rows given to the wrong expert show. ``packed`` is packed_recv_x ([E/R, R*T, H]; with fp8
     the (data, float32 scales) pair)."""
-    if use_fp8:
-        data, scales = packed
-        rows = (data.float().view(*data.shape[:2], -1, 128) * scales.unsqueeze(-1)).view(data.shape)
-    else:
-        rows = packed.float()
+    rows = dequantised(*packed) if use_fp8 else packed.float()
     per_rank = rows.shape[0]
     factor = torch.arange(1, per_rank + 1, dtype=torch.float32, device="cpu").view(-1, 1, 1) + me * per_rank
     return (rows * factor).bfloat16()
 
 
 def brute_force_combine(x: torch.Tensor, topk_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """float32 sum over k of weights[t, k] * stand-in expert topk_idx[t, k] applied to x[t]."""
+    """float32 sum over k of weights[t, k] * stand-in expert topk_idx[t, k] applied to x[t] (the
+    rows as dispatched: ``dispatched_rows``)."""
     total = torch.zeros(x.shape, dtype=torch.float32, device="cpu")
     for t in range(x.shape[0]):
         for k in range(topk_idx.shape[1]):

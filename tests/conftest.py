@@ -1,6 +1,7 @@
 """Shared pytest set-up: GPU tests skip themselves without GPUs; tests of the kernels under
-Triton's interpreter are marked ``interpreter`` and skip themselves under numpy >= 2.4;
-hypothesis has a CI profile.
+Triton's interpreter are marked ``interpreter`` and skip themselves under numpy >= 2.4 (tests
+that build NVLink Buffers on the same CPU ranks but run no kernel there are not); hypothesis
+has a CI profile.
 
 Select a hypothesis profile with ``HYPOTHESIS_PROFILE`` (``ci`` by default, ``dev`` for a
 longer local search).
@@ -8,14 +9,16 @@ longer local search).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from tritonep.rank_pool import gpu_ranks
+from tritonep.rank_pool import RankPool, gpu_ranks
 
 # CI runs on 2 CPU cores: keep property tests modest, and no per-example deadline because a
 # multi-process test's first example also pays for process start-up and warm caches.
@@ -72,18 +75,15 @@ def gpu_pool():
     pool.close()
 
 
-@pytest.fixture(scope="module")
-def interpreter_pools():
-    """``get(num_ranks)`` -> a RankPool of CPU ranks running Triton's interpreter
-    (``TRITON_INTERPRET=1`` is inherited by the spawned ranks); pools live for the module.
-    Tests that use it are marked ``interpreter`` (see pytest_collection_modifyitems)."""
+@contextlib.contextmanager
+def _interpreting_cpu_pools() -> Iterator[Callable[[int], RankPool]]:
+    """``get(num_ranks)`` -> a RankPool of CPU ranks with ``TRITON_INTERPRET=1`` (inherited by
+    the spawned ranks: the NVLink backend then takes CPU tensors), one per rank count."""
     from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE reruns (tests/torch_defaults.py)
-
-    from tritonep.rank_pool import RankPool
 
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    pools: dict = {}
+    pools: dict[int, RankPool] = {}
     try:
         def get(num_ranks: int) -> RankPool:
             if num_ranks not in pools:
@@ -97,3 +97,21 @@ def interpreter_pools():
             os.environ.pop("TRITON_INTERPRET")
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+@pytest.fixture(scope="module")
+def interpreter_pools():
+    """Pools of CPU ranks that run the NVLink kernels in Triton's interpreter
+    (``_interpreting_cpu_pools``), for the module. Tests that use it are marked ``interpreter``
+    and skip under numpy >= 2.4 (see pytest_collection_modifyitems)."""
+    with _interpreting_cpu_pools() as get:
+        yield get
+
+
+@pytest.fixture(scope="module")
+def nvlink_host_pools():
+    """The same pools for tests of the NVLink backend's host side, which launch no kernel in
+    the interpreter (Buffer options and set-up, launches recorded instead of run): numpy >= 2.4
+    does not affect them, so they are not marked ``interpreter`` and run in the main run."""
+    with _interpreting_cpu_pools() as get:
+        yield get

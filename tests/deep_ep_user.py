@@ -218,14 +218,37 @@ def dispatch_with_layout(buffer: deep_ep.Buffer, x, topk_idx, topk_weights, num_
                            topk_weights=topk_weights, **kwargs)
 
 
+@plain_torch()
+def identity_combine(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> torch.Tensor:
+    """bf16 on the CPU: what ``combine(dispatch(x))`` gives when every rank returns the rows it
+    received, from ``topk_idx`` alone: each token times the number of ranks its experts are on
+    (copies of one bf16 value sum exactly in float32, and round once)."""
+    _, _, in_rank = reference_layout(topk_idx.cpu(), num_experts, num_ranks)
+    return (x.cpu().float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16)
+
+
 def check_identity(combined_x: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
                    num_ranks: int) -> None:
-    """``combine(dispatch(x)) == x * is_token_in_rank.sum(1)``: copies of one bf16 value sum exactly."""
-    _, _, in_rank = reference_layout(topk_idx.cpu(), num_experts, num_ranks)
-    with plain_torch():
-        expected = (x.cpu().float() * in_rank.sum(1, keepdim=True)).to(torch.bfloat16)
+    """``combine(dispatch(x)) == x * is_token_in_rank.sum(1)``, exactly."""
     assert combined_x.dtype == torch.bfloat16 and combined_x.device.type == x.device.type
-    assert torch.equal(combined_x.cpu(), expected)
+    assert torch.equal(combined_x.cpu(), identity_combine(x, topk_idx, num_experts, num_ranks))
+
+
+def check_wait_stats(stats: torch.Tensor) -> None:
+    """A ``*_wait_recv_cost_stats`` tensor after calls that received rows from every rank.
+
+    The CPU backend times the host's wait for the one all_to_all that brings every rank's rows
+    (nanoseconds: never 0) and adds it to every rank's entry, so the entries are equal and
+    positive. The NVLink kernels add each receive item's wait, timed on the GPU clock, to its
+    source's entry: a source whose rows were already there may add nothing the clock can see,
+    but a rank that received waited for some.
+    """
+    values = stats.cpu()
+    assert stats.dtype == torch.int64 and bool((values >= 0).all()), values.tolist()
+    if stats.is_cuda:
+        assert int(values.sum()) > 0, values.tolist()
+    else:
+        assert bool((values > 0).all()) and bool((values == values[0]).all()), values.tolist()
 
 
 def round_trip(buffer: deep_ep.Buffer, group: dist.ProcessGroup, problem: Problem) -> None:

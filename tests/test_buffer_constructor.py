@@ -357,8 +357,8 @@ def nvlink_option_errors(group) -> list[str]:
     return messages
 
 
-def test_nvlink_backend_options(interpreter_pools) -> None:
-    for fabric, nvlink_only, built in interpreter_pools(2).run(nvlink_option_errors):
+def test_nvlink_backend_options(nvlink_host_pools) -> None:
+    for fabric, nvlink_only, built in nvlink_host_pools(2).run(nvlink_option_errors):
         assert "use_fabric=True" in fabric and "fabric handles" in fabric
         assert "allow_nvlink_for_low_latency_mode=False" in nvlink_only and "no other path" in nvlink_only
         assert built == "NvlinkBackend"
@@ -391,10 +391,10 @@ def one_rank_out_of_address_space(group) -> tuple[str, list[str]]:
     return message, leftovers
 
 
-def test_allocation_failing_on_one_rank_raises_on_every_rank(interpreter_pools) -> None:
+def test_allocation_failing_on_one_rank_raises_on_every_rank(nvlink_host_pools) -> None:
     """Building a Buffer is collective: a rank whose shared memory cannot be mapped must not leave
     its peers waiting in the next collective. Every rank raises, naming rank 1 and its error."""
-    results = interpreter_pools(2).run(one_rank_out_of_address_space)
+    results = nvlink_host_pools(2).run(one_rank_out_of_address_space)
     for message, leftovers in results:
         assert "mapping the ranks' /dev/shm files failed on 1 of 2 rank(s)" in message, results
         assert "rank 1: RuntimeError" in message and "rank 0:" not in message, results

@@ -247,8 +247,8 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
     return problems
 
 
-def test_replays_launch_what_the_general_path_launches(interpreter_pools) -> None:
-    problems = interpreter_pools(1).run(replays_match_general_path)
+def test_replays_launch_what_the_general_path_launches(nvlink_host_pools) -> None:
+    problems = nvlink_host_pools(1).run(replays_match_general_path)
     assert problems == [[]]
 
 

@@ -5,7 +5,7 @@ experts out of its combine; on this backend rows also stop when the *other* side
 (gloo collectives involve every rank, so a cut is "no rows either way"). The expected values
 are built independently: counts by brute force from every rank's regenerated inputs, rows as
 the unmasked result with the cut sources' blocks removed, and the combine as the unmasked
-combine with the weights of cut experts set to zero (and by brute force for bf16).
+combine with the weights of cut experts set to zero, and by brute force from the inputs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from collective_inputs import brute_force_combine, random_routing, stand_in_expert
+from collective_inputs import brute_force_combine, dispatched_rows, random_routing, stand_in_expert
 
 import tritonep as deep_ep
 from tritonep.core.checks import InputError
@@ -148,9 +148,8 @@ def case_masked_round_trip(group, seed: int, scenario: str, combine_scenario: st
         combine_hook()
     expected = plain.low_latency_combine(stand_in_expert(packed_u, use_fp8, me), topk_idx, kept_weights, handle_u)[0]
     torch.testing.assert_close(combined.float(), expected.float(), rtol=2 ** -7, atol=1e-4)
-    if not use_fp8:
-        torch.testing.assert_close(combined.float(), brute_force_combine(x, topk_idx, kept_weights), rtol=2 ** -7,
-                                   atol=1e-4)
+    brute_force = brute_force_combine(dispatched_rows(x, use_fp8), topk_idx, kept_weights)
+    torch.testing.assert_close(combined.float(), brute_force, rtol=2 ** -7, atol=1e-4)
     assert [bool(v > 0) for v in combine_wait.tolist()] == combine_links[me]
 
 
