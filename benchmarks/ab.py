@@ -1,10 +1,11 @@
 """One-rank A/B (``--ranks 1 --baseline DIR``): the package at DIR against this checkout's, on one
 GPU (or one CPU rank), in the same run.
 
-Each package runs in a process of its own (``ab_worker``, tritonep imported from that package's
-folder, public API only), ``--rounds`` rounds, the two alternating and the order swapped every
-round, since a host's speed drifts within minutes. Each row is the median over the rounds; the
-table flags rows where this checkout is more than ``WORSE`` slower.
+Both packages are loaded in one worker process (``ab_worker``: public API only, the baseline
+under another name) and take turns call shape by call shape, ``--rounds`` rounds, the order
+swapped every round, since a host's speed drifts within minutes and differs between processes.
+Each row is the median over the rounds; the table flags rows where this checkout is more than
+``WORSE`` slower.
 """
 
 from __future__ import annotations
@@ -31,16 +32,15 @@ def package_root(path: str) -> str:
     raise SystemExit(f"--baseline {path}: no tritonep package there")
 
 
-def _worker(package: str, args: argparse.Namespace, gpu: bool, json_path: str) -> dict:
-    """One package measured in a process of its own, tritonep taken from ``package`` (it comes
-    first on the worker's sys.path; PYTHONPATH names it too, for anything the worker starts)."""
-    command = [sys.executable, "-m", "benchmarks.ab_worker", "--package", package, "--json", json_path]
+def _worker(baseline: str, args: argparse.Namespace, gpu: bool, json_path: str) -> dict:
+    """Both packages measured in one process of its own (so this one never imports tritonep twice)."""
+    command = [sys.executable, "-m", "benchmarks.ab_worker", "--baseline", baseline, "--json", json_path,
+               "--rounds", str(args.rounds)]
     for name in ("tokens", "hidden", "experts", "topk", "num_sms", "ll_tokens", "ll_experts", "iters"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if not gpu:
         command.append("--cpu")
-    env = {**os.environ, "PYTHONPATH": package}
-    subprocess.run(command, cwd=CHECKOUT, env=env, check=True, timeout=600)
+    subprocess.run(command, cwd=CHECKOUT, env=os.environ.copy(), check=True, timeout=900)
     with open(json_path) as f:
         return json.load(f)
 
@@ -53,17 +53,9 @@ def _medians(rounds: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace, gpu: bool) -> dict:
-    """Both packages measured in alternating rounds, then ``compare``d."""
-    packages = {"baseline": package_root(args.baseline), "new": CHECKOUT}
-    measured: dict[str, list[dict]] = {"baseline": [], "new": []}
+    """Both packages measured in turns, then ``compare``d."""
     with tempfile.TemporaryDirectory() as folder:
-        if gpu:   # the first process after the machine has idled runs slow: not counted
-            _worker(CHECKOUT, argparse.Namespace(**{**vars(args), "iters": 3}), gpu, os.path.join(folder, "warm.json"))
-        for round_ in range(args.rounds):
-            order = ["new", "baseline"] if round_ % 2 == 0 else ["baseline", "new"]
-            for which in order:
-                path = os.path.join(folder, f"{which}_{round_}.json")
-                measured[which].append(_worker(packages[which], args, gpu, path))
+        measured = _worker(package_root(args.baseline), args, gpu, os.path.join(folder, "ab.json"))
     return compare(measured)
 
 

@@ -1,21 +1,27 @@
-"""One package's side of the one-rank A/B (``ab.py``), in a process of its own.
+"""The one-rank A/B (``ab.py``) in a process of its own: both packages, their calls interleaved.
 
-    python -m benchmarks.ab_worker --package DIR --json PATH [shape options]
+    python -m benchmarks.ab_worker --baseline DIR --rounds N --json PATH [shape options]
 
-It imports tritonep from ``DIR`` (the folder that holds ``tritonep/``), makes a one-rank
-process group itself (NCCL on GPU 0, gloo with ``--cpu``) and measures each call through
-tritonep's public API only (``Buffer``, ``Config``, ``Buffer.get_low_latency_rdma_size_hint``,
-``utils``), so that any version of the package can be measured: GPU time (``timing.median_us``:
-one call at a time, L2 flushed, median) and host CPU time per call (back to back).
+It imports this checkout's tritonep and, under another name, the one in ``DIR`` (the folder that
+holds ``tritonep/``; its modules import each other relatively, so it loads as ``tritonep_baseline``),
+makes a one-rank process group (NCCL on GPU 0, gloo with ``--cpu``) and measures each call of
+each package through the public API only (``Buffer``, ``Config``,
+``Buffer.get_low_latency_rdma_size_hint``, ``utils``): GPU time (``timing.median_us``: one call
+at a time, L2 flushed, median) and host CPU time per call (back to back). The two packages take
+turns call shape by call shape and round by round, in one process on one core: a host's speed
+drifts by tens of per cent within minutes and between processes, which a comparison of two
+processes measured minutes apart cannot tell from a change of the code.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -24,15 +30,19 @@ import torch.distributed as dist
 from . import inputs, timing
 
 
-def import_tritonep(package: str) -> object:
-    """tritonep from ``package`` (the folder holding ``tritonep/``), whatever else is on sys.path."""
-    sys.path.insert(0, package)
-    import tritonep
-
-    found = os.path.dirname(os.path.dirname(os.path.realpath(tritonep.__file__)))
-    if found != os.path.realpath(package):
-        raise RuntimeError(f"tritonep came from {found}, not from {package}")
-    return tritonep
+def import_both(baseline: str, link_folder: str) -> dict[str, object]:
+    """{"new": this checkout's tritonep, "baseline": the one in ``baseline``, as ``tritonep_baseline``},
+    each checked to come from where it should."""
+    checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    sys.path.insert(0, checkout)
+    os.symlink(os.path.join(os.path.realpath(baseline), "tritonep"), os.path.join(link_folder, "tritonep_baseline"))
+    sys.path.insert(0, link_folder)
+    packages = {"new": importlib.import_module("tritonep"), "baseline": importlib.import_module("tritonep_baseline")}
+    for which, root in (("new", checkout), ("baseline", baseline)):
+        found = os.path.dirname(os.path.dirname(os.path.realpath(packages[which].__file__)))
+        if found != os.path.realpath(root):
+            raise RuntimeError(f"the {which} tritonep came from {found}, not from {root}")
+    return packages
 
 
 def one_rank_group(gpu: bool) -> dist.ProcessGroup:
@@ -85,29 +95,46 @@ def calls(tritonep: object, group: dist.ProcessGroup, args: argparse.Namespace,
     return table, [normal, decode]
 
 
-def measure(package: str, args: argparse.Namespace) -> dict:
-    tritonep = import_tritonep(package)
+def measure(baseline: str, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Per package, ``args.rounds`` reports of every row (the form ``ab.compare`` takes)."""
     gpu = torch.cuda.is_available() and not args.cpu
-    group = one_rank_group(gpu)
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    table, buffers = calls(tritonep, group, args, device)
-    yardstick = torch.zeros(16, device=device)
-    report: dict = {"package": os.path.realpath(package), "tritonep": tritonep.__file__,
-                    "device": torch.cuda.get_device_name() if gpu else "cpu",
-                    "torch add_ (host yardstick)": timing.back_to_back_host_us(lambda: yardstick.add_(1)), "rows": {}}
-    for name, fn in table.items():
-        report["rows"][name] = {"gpu_us": timing.median_us(group, fn, args.iters),
-                                "host_us": timing.back_to_back_host_us(fn)}
-    for buffer in buffers:
-        buffer.destroy()
-    dist.destroy_process_group()
-    return report
+    with tempfile.TemporaryDirectory() as link_folder:
+        packages = import_both(baseline, link_folder)
+        group = one_rank_group(gpu)
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        tables, buffers = {}, []
+        for which, tritonep in packages.items():
+            tables[which], made = calls(tritonep, group, args, device)
+            buffers += made
+        yardstick = torch.zeros(16, device=device)
+        measured: dict[str, list[dict]] = {which: [] for which in packages}
+        for round_ in range(args.rounds):
+            # The order swaps every round, so that neither package always runs on a warmer host.
+            order = ["new", "baseline"] if round_ % 2 == 0 else ["baseline", "new"]
+            reports = {which: {"package": os.path.dirname(os.path.dirname(os.path.realpath(packages[which].__file__))),
+                               "tritonep": os.path.realpath(packages[which].__file__),
+                               "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": {}}
+                       for which in order}
+            for which in order:
+                reports[which]["torch add_ (host yardstick)"] = timing.back_to_back_host_us(lambda: yardstick.add_(1))
+            for name in tables["new"]:
+                for which in order:
+                    fn = tables[which][name]
+                    reports[which]["rows"][name] = {"gpu_us": timing.median_us(group, fn, args.iters),
+                                                    "host_us": timing.back_to_back_host_us(fn)}
+            for which in order:
+                measured[which].append(reports[which])
+        for buffer in buffers:
+            buffer.destroy()
+        dist.destroy_process_group()
+    return measured
 
 
 def parser() -> argparse.ArgumentParser:
     """The worker's options; ``ab.py`` passes the bench's values on."""
     options = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    options.add_argument("--package", required=True)
+    options.add_argument("--baseline", required=True)
+    options.add_argument("--rounds", type=int, required=True)
     options.add_argument("--json", required=True)
     options.add_argument("--cpu", action="store_true")
     for name in ("tokens", "hidden", "experts", "topk", "num-sms", "ll-tokens", "ll-experts", "iters"):
@@ -117,7 +144,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    report = measure(args.package, args)
+    report = measure(args.baseline, args)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
 
