@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonep import fp8
+from tritonep.core import fp8
 
 
 def random_routing(generator: torch.Generator, num_tokens: int, num_experts: int, num_topk: int,
@@ -33,7 +33,7 @@ def dequantised(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def dispatched_rows(x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
     """float32: the rows of ``x`` as a low-latency dispatch hands them to the experts, through
-    the e4m3 cast (tritonep.fp8's rounding, default scales) and back with ``use_fp8``."""
+    the e4m3 cast (tritonep.core.fp8's rounding, default scales) and back with ``use_fp8``."""
     return dequantised(*fp8.cast_to_fp8(x)) if use_fp8 else x.float()
 
 
