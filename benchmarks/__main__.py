@@ -17,8 +17,8 @@ Modes, one per run:
   it prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``;
 * ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank;
   writes ``profile.json``;
-* ``--baseline DIR`` (at ``--ranks 1``): the package at DIR against this checkout, one rank, each
-  in a process of its own (``ab.py``); writes ``ab.json``.
+* ``--baseline DIR`` (at ``--ranks 1``): the package at DIR against this checkout, one rank, both
+  in one process taking turns (``ab.py``); writes ``ab.json``.
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). ``timing.py`` says how calls are
