@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch.distributed as dist
 from torch_defaults import default_dtype, torch_defaults
+
+from tritonep import InputError
 
 
 def one_rank_group(prefix: str) -> Iterator[dist.ProcessGroup]:
@@ -44,3 +46,12 @@ class NoCommunication:
         if name in self.ALLOWED:
             return getattr(self._real, name)
         raise AssertionError(f"backend.{name} was reached: a bad call must be rejected before any communication")
+
+
+def raises_naming(name: str, call: Callable[[Any], object], fragments: tuple[str, ...], context: Any) -> None:
+    """``call(context)`` raises an InputError whose message holds every fragment."""
+    with pytest.raises(InputError) as info:
+        call(context)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{name}: message {message!r} lacks {fragment!r}"

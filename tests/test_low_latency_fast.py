@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from recorded_launches import RecordedLaunch, launches_faked
 
 import tritonep as deep_ep
 from tritonep.backends.nvlink.low_latency.call_order import CallOrder, LowLatencyCalls
@@ -41,35 +42,6 @@ SEQUENCES = [
     (dict(use_fp8=True, round_scale=True, use_ue8m0=True, stats=True), dict(zero_copy=True, out=True)),
     (dict(use_fp8=True, wait_stats=True), dict(wait_stats=True, return_recv_hook=True, out=True)),
 ]
-
-
-class RecordedLaunch:
-    """Stands for a compiled launch (launcher._Setup): same raw argument list, records calls."""
-
-    log: list = []
-
-    def __init__(self, compiled: object, grid: int, raw_args: list) -> None:
-        self.args, self.grid = raw_args, grid
-
-    def __call__(self, stream: int, args: list | None = None) -> None:
-        RecordedLaunch.log.append((id(self), self.grid, tuple(self.args if args is None else args)))
-
-
-class NoKernel:
-    """``kernel[grid](...)`` (FastLauncher's first call of a setup) that compiles and runs
-    nothing, but records the launch in ``RecordedLaunch.log`` as a learnt one would, setup None:
-    a call that makes a new setup (the normal-mode epochs and release targets do now and then,
-    as the launcher keys them finer than Triton specialises them) still shows what it launched."""
-
-    def __init__(self, kernel: object) -> None:
-        self.arg_names = kernel.arg_names
-
-    def __getitem__(self, grid: tuple) -> object:
-        def launch(*args: object, num_warps: int, **constants: object) -> None:
-            raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
-            RecordedLaunch.log.append((None, grid[0], tuple(raw + [constants[name]
-                                                                   for name in self.arg_names[len(args):]])))
-        return launch
 
 
 def _host_state(calls: LowLatencyCalls) -> tuple:
@@ -197,32 +169,17 @@ def _hooks_keep_inputs(buffer: deep_ep.Buffer, generator: torch.Generator) -> li
 @contextlib.contextmanager
 def launches_replaced(buffer: deep_ep.Buffer, setup: type) -> Iterator[None]:
     """Inside, ``buffer``'s low-latency engine learns and replays compiled launches as on a GPU,
-    but each is a ``setup`` (a stand-in for launcher._Setup: ``RecordedLaunch``, or one that does
-    nothing) and nothing is compiled or run. On exit the module state is restored and what was
-    learnt (the Buffer's replays, the launchers' setups) is dropped."""
+    but each is a ``setup`` (``RecordedLaunch``, or one that does nothing) and nothing is compiled
+    or run (``recorded_launches.launches_faked``); on exit the Buffer's replays are dropped too."""
     from tritonep.backends.nvlink.low_latency import launch, replay
-    from tritonep.runtime import launcher
 
     engine = buffer.backend.low_latency
-    saved = (launcher.INTERPRET, launch.INTERPRET, launch.resident_programs, launcher._Setup,
-             launcher.current_stream, replay.current_stream)
     fast_launchers = (engine.dispatch_launcher.fast_launcher, engine.combine_launcher.fast_launcher)
-    kernels = [fast_launcher.kernel for fast_launcher in fast_launchers]
-    try:
-        launcher.INTERPRET = launch.INTERPRET = False
-        launch.resident_programs = lambda kernel, args, constants, warps, device, wanted: wanted
-        launcher._Setup = setup
-        launcher.current_stream = replay.current_stream = lambda: 7
-        for fast_launcher in fast_launchers:
-            fast_launcher.kernel = NoKernel(fast_launcher.kernel)
+    # A single launch's grid is capped at what the compiled kernel lets the GPU hold: no kernel here.
+    with launches_faked(fast_launchers, setup, (replay,), [(launch, "INTERPRET", False), (
+            launch, "resident_programs", lambda kernel, args, constants, warps, device, wanted: wanted)]):
         yield
-    finally:
-        (launcher.INTERPRET, launch.INTERPRET, launch.resident_programs, launcher._Setup,
-         launcher.current_stream, replay.current_stream) = saved
-        for fast_launcher, kernel in zip(fast_launchers, kernels):
-            fast_launcher.kernel = kernel
-            fast_launcher.setups.clear()
-        buffer._low_latency_replays.clear()
+    buffer._low_latency_replays.clear()
 
 
 def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:

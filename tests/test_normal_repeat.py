@@ -4,7 +4,7 @@ launch exactly what the general path launches, and decline whatever they were no
 As in tests/test_low_latency_fast.py: under Triton's interpreter the NVLink backend makes no
 compiled launches, so nothing would be learnt. Here a real fresh dispatch (on the interpreter)
 makes the handle; then the kernels are replaced by stand-ins that compile nothing, and every
-launch records its raw argument list (that file's ``NoKernel`` and ``RecordedLaunch``). Every
+launch records its raw argument list (tests/recorded_launches.py). Every
 cached dispatch and combine then runs twice from the same engine state (``NormalState``'s
 counters), through its replay and through the general path (the handle's replay table emptied
 for that run): the launches (with each run's new outputs named instead of their addresses),
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from recorded_launches import RecordedLaunch, launches_faked
 
 import tritonep as deep_ep
 from tritonep.core.replay import ReplayTable
@@ -48,34 +49,15 @@ def _shapes(result: object) -> tuple:
     return tuple((tuple(tensor.shape), tensor.dtype) for tensor in _tensors(result))
 
 
-@contextlib.contextmanager
-def launches_recorded() -> Iterator[None]:
+def launches_recorded() -> contextlib.AbstractContextManager:
     """Inside, the normal mode's launches are learnt and repeated as on a GPU, but each is a
-    ``RecordedLaunch`` and nothing is compiled or run. On exit the module state is restored and
-    what the launchers learnt is dropped."""
-    from test_low_latency_fast import NoKernel, RecordedLaunch
-
+    ``RecordedLaunch`` and nothing is compiled or run (``recorded_launches.launches_faked``)."""
     from tritonep.backends.nvlink.normal import combine_copy_engine, replay
     from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
     from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
-    from tritonep.runtime import launcher
 
     launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL)
-    saved = (launcher.INTERPRET, launcher._Setup, launcher.current_stream, replay.current_stream,
-             [(item.kernel, dict(item.setups)) for item in launchers])
-    try:
-        launcher.INTERPRET = False
-        launcher._Setup = RecordedLaunch
-        launcher.current_stream = replay.current_stream = lambda: 7
-        for item in launchers:
-            item.kernel = NoKernel(item.kernel)
-        yield
-    finally:
-        launcher.INTERPRET, launcher._Setup, launcher.current_stream, replay.current_stream, kernels = saved
-        for item, (kernel, setups) in zip(launchers, kernels):
-            item.kernel = kernel
-            item.setups.clear()
-            item.setups.update(setups)
+    return launches_faked(launchers, RecordedLaunch, (replay,))
 
 
 def _status_word_in_every_launch(status_address: int) -> bool:
@@ -92,7 +74,6 @@ def _status_word_in_every_launch(status_address: int) -> bool:
 
 def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
     from nvlink_cases import count_replays, make_buffer
-    from test_low_latency_fast import RecordedLaunch
 
     from tritonep import nvl_bytes_for
 

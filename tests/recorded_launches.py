@@ -1,0 +1,71 @@
+"""Compiled launches faked on CPUs: a replay's learnt argument lists, checked without a GPU.
+
+Under Triton's interpreter ``FastLauncher`` learns no compiled launch, so no replay is made.
+Inside ``launches_faked`` the launchers learn and replay as on a GPU, but each learnt launch is a
+stand-in (``RecordedLaunch`` records its argument list) and nothing is compiled or run; the
+tests of both modes' replays compare what the replays launch with what the general path does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+
+class RecordedLaunch:
+    """Stands for a compiled launch (launcher._Setup): same raw argument list, records calls."""
+
+    log: list = []
+
+    def __init__(self, compiled: object, grid: int, raw_args: list) -> None:
+        self.args, self.grid = raw_args, grid
+
+    def __call__(self, stream: int, args: list | None = None) -> None:
+        RecordedLaunch.log.append((id(self), self.grid, tuple(self.args if args is None else args)))
+
+
+class NoKernel:
+    """``kernel[grid](...)`` (FastLauncher's first call of a setup) that compiles and runs
+    nothing, but records the launch in ``RecordedLaunch.log`` as a learnt one would, setup None:
+    a call that makes a new setup (the normal-mode epochs and release targets do now and then,
+    as the launcher keys them finer than Triton specialises them) still shows what it launched."""
+
+    def __init__(self, kernel: object) -> None:
+        self.arg_names = kernel.arg_names
+
+    def __getitem__(self, grid: tuple) -> object:
+        def launch(*args: object, num_warps: int, **constants: object) -> None:
+            raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
+            RecordedLaunch.log.append((None, grid[0], tuple(raw + [constants[name]
+                                                                   for name in self.arg_names[len(args):]])))
+        return launch
+
+
+@contextlib.contextmanager
+def launches_faked(fast_launchers: tuple, setup: type, replay_modules: tuple[ModuleType, ...],
+                   patches: list[tuple[object, str, object]] = ()) -> Iterator[None]:
+    """Inside, ``fast_launchers`` learn ``setup`` stand-ins instead of compiled launches and run
+    nothing, the launcher and ``replay_modules`` see stream 7, and each (object, name, value) of
+    ``patches`` holds. On exit everything is restored and what the launchers learnt is dropped."""
+    from tritonep.runtime import launcher
+
+    patches = [(launcher, "INTERPRET", False), (launcher, "_Setup", setup), (launcher, "current_stream", lambda: 7),
+               *[(module, "current_stream", lambda: 7) for module in replay_modules], *patches]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    learnt = [(item, item.kernel, dict(item.setups)) for item in fast_launchers]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        for item in fast_launchers:
+            item.kernel = NoKernel(item.kernel)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        for item, kernel, setups in learnt:
+            item.kernel = kernel
+            item.setups.clear()
+            item.setups.update(setups)
