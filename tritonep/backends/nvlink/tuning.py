@@ -128,11 +128,9 @@ def tile_rows(rows: int, row_bytes: int) -> int:
 
 def tile_block(block: int, rows: int, row_words: int) -> int:
     """Columns (4-byte words) per chunk of a ``rows``-row tile: ``block`` if set, else 64 KB per
-    chunk (rows x columns x 4 bytes); at most the row's width rounded up to a power of two.
-    Measured at one rank (the receive half's copies), bf16 and fp8 rows of hidden 2048, 4096
-    and 7168, at 8 and 24 SMs: 64 KB per chunk was the fastest of 512 to 4096 columns in every
-    case, e.g. fp8 hidden 7168 61 us against 73 with 2048 columns, bf16 hidden 4096 64 us
-    against 86 (docs/benchmarks/2026-11-24-h200x1-s6, run 16)."""
+    chunk (rows x columns x 4 bytes); at most the row's width rounded up to a power of two. Of
+    512 to 4096 columns, 64 KB per chunk was the fastest for bf16 and fp8 rows of every hidden
+    size and num_sms tried (docs/findings.md)."""
     return min(triton.next_power_of_2(row_words), block if block else max(16384 // rows, 64))
 
 
