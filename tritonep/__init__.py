@@ -7,11 +7,11 @@ V2's ``ElasticBuffer`` / ``EPHandle``, two front ends over the same engines.
 import torch
 
 from tritonep import utils
+from tritonep.backends.nvlink.sizes import nvl_bytes_for
 from tritonep.core.checks import InputError
 from tritonep.core.config import Config
 from tritonep.core.event import EventOverlap
 from tritonep.v1.buffer import Buffer
-from tritonep.v1.sizes import nvl_bytes_for
 from tritonep.v2.buffer import ElasticBuffer, get_logical_domain_size, get_physical_domain_size
 from tritonep.v2.event import EventHandle
 from tritonep.v2.handle import EPHandle

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from tritonep.backends.base import Backend, LowLatencyCombineRequest, LowLatencyDispatchRequest
 from tritonep.backends.choice import backend_kind, check_backend_options, check_node_split, make_backend
+from tritonep.backends.nvlink.sizes import low_latency_buffer_bytes
 from tritonep.core import checks, routing, topology
 from tritonep.core.checks import byte_count, is_int, require
 from tritonep.core.config import Config
@@ -32,7 +33,6 @@ from tritonep.core.replay import ReplayTable
 from tritonep.core.torch_modes import plain_hook, torch_functions_off, without_torch_function
 from tritonep.runtime.streams import on_comm_stream
 from tritonep.v1 import checks as v1_checks
-from tritonep.v1.sizes import low_latency_buffer_bytes
 
 _buffer_ids = itertools.count(1)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
+from tritonep.backends.nvlink.sizes import nvl_bytes_for
 from tritonep.core import topology
 from tritonep.core.checks import InputError, is_int, require
 from tritonep.core.routing import round_up
-from tritonep.v1.sizes import nvl_bytes_for
 
 # V2 sizes and aligns its buffers in 2 MiB units (its symmetric memory granule); V2 code relies
 # on hints and sizes being multiples of it.

@@ -1,4 +1,4 @@
-"""How many bytes a Buffer needs: the size hints DeepEP's users call before making one."""
+"""How many bytes the NVLink backend needs: the size hints users call before making a Buffer (both front ends)."""
 
 from __future__ import annotations
 
