@@ -45,13 +45,19 @@ def test_defaults_are_deepeps_shape_on_gpus_and_small_on_cpus() -> None:
         assert not use_gpu and (s.ranks, s.tokens, s.hidden) == (4, 256, 256)
 
 
-def test_experts_split_across_ranks_sum_to_whole_layer() -> None:
-    # What dispatch + combine must reproduce: each rank's share over its own experts adds up.
-    s = moe_layer.Setup(ranks=2, tokens=16, hidden=128, experts=4, topk=2, ffn=32, iters=1)
+def _small_layer(s: moe_layer.Setup) -> tuple:
+    """(expert weights, rank 0's tokens, their top-k ids and weights) of a float32 layer on the CPU."""
     cpu = torch.device("cpu")
     experts = [moe_layer.expert_weights(s, e, cpu, torch.float32) for e in range(s.experts)]
     x = moe_layer.make_tokens(s, 0, cpu)
     idx, weights = moe_layer.route(x, moe_layer.make_router(s, cpu), s.topk)
+    return experts, x, idx, weights
+
+
+def test_experts_split_across_ranks_sum_to_whole_layer() -> None:
+    # What dispatch + combine must reproduce: each rank's share over its own experts adds up.
+    experts, x, idx, weights = _small_layer(moe_layer.Setup(ranks=2, tokens=16, hidden=128, experts=4, topk=2,
+                                                            ffn=32, iters=1))
     whole = moe_layer.moe_experts(x, idx, weights, experts)
     parts = sum(moe_layer.moe_experts(x, torch.where(idx // 2 == r, idx % 2, -1), weights, experts[2 * r:2 * r + 2])
                 for r in range(2))
@@ -59,11 +65,8 @@ def test_experts_split_across_ranks_sum_to_whole_layer() -> None:
 
 
 def test_check_catches_a_missing_expert_output() -> None:
-    s = moe_layer.Setup(ranks=1, tokens=64, hidden=128, experts=8, topk=4, ffn=32, iters=1)
-    cpu = torch.device("cpu")
-    experts = [moe_layer.expert_weights(s, e, cpu, torch.float32) for e in range(s.experts)]
-    x = moe_layer.make_tokens(s, 0, cpu)
-    idx, weights = moe_layer.route(x, moe_layer.make_router(s, cpu), s.topk)
+    experts, x, idx, weights = _small_layer(moe_layer.Setup(ranks=1, tokens=64, hidden=128, experts=8, topk=4,
+                                                            ffn=32, iters=1))
     expected = moe_layer.moe_experts(x, idx, weights, experts).bfloat16()
     one_lost = moe_layer.moe_experts(x, torch.where(idx == idx[0, -1], -1, idx), weights, experts).bfloat16()
     assert moe_layer.compare(expected, expected)["worst_token"] == 0

@@ -19,10 +19,11 @@ import torch
 from deep_ep_user import check_wait_stats
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from routed_world import RoutedWorld, run_world
 from torch_defaults import pool_options
 
 from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
-from tritonep.rank_pool import RankFailure, RankPool
+from tritonep.rank_pool import RankPool
 
 FP8 = torch.float8_e4m3fn
 POOL_TIMEOUT_S = 60.0
@@ -61,17 +62,7 @@ def pools():
 
 # ----------------------------------------------------------------------------- the world
 @dataclass
-class World:
-    R: int
-    H: int
-    E: int
-    K: int
-    T: int
-    strategy: str
-    x: list[torch.Tensor]              # bf16 [N_r, H]
-    x2: list[torch.Tensor]             # bf16 [N_r, H], for the cached dispatch
-    topk: list[torch.Tensor]           # int64 [N_r, K]
-    weights: list[torch.Tensor]        # float32 [N_r, K] (garbage where topk == -1)
+class World(RoutedWorld):
     fp8: bool                          # also dispatch an (fp8, scales) tuple
     fp8_data: list[torch.Tensor] = field(default_factory=list)   # uint8 view of e4m3 [N_r, H]
     fp8_scales: list[torch.Tensor] = field(default_factory=list)  # float32 [N_r, H/128] or int32 [N_r, 1]
@@ -86,15 +77,9 @@ class World:
     round_scale: bool = False
     ranks_per_node: int | None = None  # the pool splits the group into nodes of this many ranks
 
-    @property
-    def E_local(self) -> int:
-        return self.E // self.R
-
-    def describe(self) -> str:
-        return (f"R={self.R} H={self.H} E={self.E} K={self.K} T={self.T} strategy={self.strategy} "
-                f"N={[t.shape[0] for t in self.topk]} fp8={self.fp8} align={self.alignment} "
-                f"hook={self.use_hook} zero_copy={self.zero_copy} round_scale={self.round_scale}\n"
-                f"topk={[t.tolist() for t in self.topk]}")
+    def options(self) -> str:
+        return (f"fp8={self.fp8} align={self.alignment} hook={self.use_hook} zero_copy={self.zero_copy} "
+                f"round_scale={self.round_scale}")
 
 
 def _make_topk(rng: np.random.Generator, n: int, K: int, E: int, R: int, strategy: str, p_drop: float,
@@ -580,11 +565,7 @@ def _check_low_latency_fp8(world: World, r: int, result, combined, stats, ll_cou
 
 
 def _run_and_check(pool: RankPool, world: World) -> None:
-    try:
-        results = pool.run(_round_trip, world)
-    except RankFailure as failure:
-        raise AssertionError(f"{failure}\n{world.describe()}") from None
-    for r, out in enumerate(results):
+    for r, out in enumerate(run_world(pool, _round_trip, world)):
         _check_layout(world, r, out["layout"])
         _check_dispatch(world, r, out["dispatch"])
         _check_combine(world, r, out["combine"])

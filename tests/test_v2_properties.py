@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from routed_world import run_world
 from torch_defaults import pool_options
 from v2_world import (
     FP8,
@@ -29,7 +30,7 @@ from v2_world import (
     worst_expanded,
 )
 
-from tritonep.rank_pool import RankFailure, RankPool
+from tritonep.rank_pool import RankPool
 
 EXAMPLES = max(4, settings().max_examples // 2)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -197,11 +198,7 @@ def _check_rank(world: World, r: int, out: dict) -> None:
 
 
 def _run(pool: RankPool, world: World) -> None:
-    try:
-        results = pool.run(round_trip, world)
-    except RankFailure as failure:
-        raise AssertionError(f"{failure}\n{world.describe()}") from None
-    for r, out in enumerate(results):
+    for r, out in enumerate(run_world(pool, round_trip, world)):
         _check_rank(world, r, out)
 
 

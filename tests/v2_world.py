@@ -13,23 +13,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from routed_world import RoutedWorld
 
 FP8 = torch.float8_e4m3fn
 STRATEGIES = ("uniform", "skewed", "empty", "all_to_one", "all_minus_one")
 
 
 @dataclass
-class World:
-    R: int
-    H: int
-    E: int
-    K: int
-    T: int
-    strategy: str
-    x: list[torch.Tensor]               # bf16 [N_r, H]
-    x2: list[torch.Tensor]              # bf16 [N_r, H], for the cached dispatch
-    topk: list[torch.Tensor]            # int64 [N_r, K]
-    weights: list[torch.Tensor]         # float32 [N_r, K] (7.0 where topk == -1: must be ignored)
+class World(RoutedWorld):
+    """The V2 tests' world: weights are 7.0 where topk == -1, which every path must ignore."""
+
     fp8_data: list[torch.Tensor]        # uint8 view of e4m3 [N_r, H]
     fp8_scales: list[torch.Tensor]      # float32 [N_r, H/128] or int32 [N_r, H/512 rounded up]
     biases: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
@@ -37,14 +30,8 @@ class World:
     expand_no_sync: bool = True         # the no-sync dispatch is expanded (else not)
     col_major_scales: bool = False
 
-    @property
-    def E_local(self) -> int:
-        return self.E // self.R
-
-    def describe(self) -> str:
-        return (f"R={self.R} H={self.H} E={self.E} K={self.K} T={self.T} strategy={self.strategy} "
-                f"align={self.alignment} N={[t.shape[0] for t in self.topk]} biases={len(self.biases[0])} "
-                f"expand_no_sync={self.expand_no_sync}\ntopk={[t.tolist() for t in self.topk]}")
+    def options(self) -> str:
+        return f"align={self.alignment} biases={len(self.biases[0])} expand_no_sync={self.expand_no_sync}"
 
 
 def build_world(R: int, seed: int, strategy: str = "uniform", tokens: list[int] | None = None, H: int = 128,

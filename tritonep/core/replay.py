@@ -44,6 +44,3 @@ class ReplayTable:
     def clear(self) -> None:
         """Forget every replay (their launches point into memory that is being released)."""
         self._replays.clear()
-
-    def __len__(self) -> int:
-        return len(self._replays)
