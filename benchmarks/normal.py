@@ -129,11 +129,20 @@ def combine_rounds(rounds: list[dict]) -> dict:
 def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argparse.Namespace,
                 x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> list[dict]:
     """Kernel shapes around the defaults, one field changed at a time, at ``--num-sms``."""
-    # block: the row-moving chunk; combine_pieces: 1 and 2 per peer at any rank count;
+    # block: the row-moving chunk; combine_pieces and combine_piece_ratio: how the copy-engine
+    # combine cuts each peer's block; tokens and combine_block: the reduction's tile;
     # sender_fraction below 1/2: at EP2 the receivers copy about twice the rows the senders push.
     variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=1024), dict(block=4096),
-                dict(combine_pieces=1), dict(combine_pieces=2),
-                dict(tokens=1), dict(tokens=2), dict(tokens=8), dict(combine_block=1024), dict(combine_block=4096),
+                dict(combine_pieces=1), dict(combine_pieces=2), dict(combine_pieces=3), dict(combine_pieces=4),
+                dict(combine_piece_ratio=1.0), dict(combine_piece_ratio=0.4),
+                dict(tokens=2), dict(tokens=8), dict(tokens=16, combine_block=1024), dict(tokens=8, combine_block=1024),
+                dict(combine_block=1024), dict(combine_block=4096),
+                # the combine with SM senders only, at several sender shares and reduction tiles
+                dict(copy_engine_combine=False, combine_sender_fraction=0.5),
+                dict(copy_engine_combine=False, combine_sender_fraction=0.6),
+                dict(copy_engine_combine=False, combine_sender_fraction=0.5, tokens=16, combine_block=1024),
+                dict(copy_engine_combine=False, combine_sender_fraction=0.6, tokens=16, combine_block=1024),
+                dict(copy_engine_combine=False, combine_sender_fraction=0.7, tokens=16, combine_block=1024),
                 dict(sender_fraction=1 / 3), dict(sender_fraction=0.4),
                 dict(sender_fraction=0.5, combine_sender_fraction=0.25),
                 dict(sender_fraction=0.75, combine_sender_fraction=0.5)]

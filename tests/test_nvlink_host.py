@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_range, pieces_per_peer
+from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_ends, pieces_per_peer
 from tritonep.backends.nvlink.tuning import Tuning, combine_tile_tokens, tile_block, tile_rows, with_changes  # noqa: E402
 from tritonep.core import routing  # noqa: E402
 from tritonep.runtime.side_streams import PeerStreams  # noqa: E402
@@ -52,18 +52,22 @@ def test_combine_copies_return_each_block_to_where_its_source_reduces_it(counts:
 
 @pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1000])
 @pytest.mark.parametrize("pieces", [1, 2, 3, 8])
-def test_pieces_cover_a_block_once_in_order(count: int, pieces: int) -> None:
-    ranges = [piece_range(count, piece, pieces) for piece in range(pieces)]
-    assert [row for lo, hi in ranges for row in range(lo, hi)] == list(range(count))
-    # The reducers find piece c of a block at rows [c * ceil(count / pieces), ...) (rows.channel_range).
-    size = -(-count // pieces)
-    assert all(lo == min(piece * size, count) for piece, (lo, _) in enumerate(ranges))
+@pytest.mark.parametrize("ratio", [1.0, 0.6, 0.25])
+def test_pieces_cover_a_block_once_in_order(count: int, pieces: int, ratio: float) -> None:
+    """The pieces' ends rise to the block's end, so the tail word (rows so far) only grows."""
+    ends = piece_ends(count, pieces, ratio)
+    assert len(ends) == pieces and ends[-1] == count
+    assert all(a <= b for a, b in zip([0] + ends, ends))
+    smallest = count * ratio ** (pieces - 1) / sum(ratio ** k for k in range(pieces))
+    if ratio < 1 and smallest >= 10:   # each piece smaller than the one before (beyond rounding)
+        sizes = [b - a for a, b in zip([0] + ends, ends)]
+        assert all(a > b for a, b in zip(sizes, sizes[1:]))
 
 
 def test_pieces_per_peer_keep_the_host_issue_bounded() -> None:
-    """By default 2 pieces per peer while the peers are few, 1 from EP6 on; never more than
+    """By default 3 pieces per peer at EP2, 2 up to EP5, 1 from EP6 on; never more than
     MAX_PIECES in all (each costs the host a copy and a stream write); a set value is kept."""
-    assert [pieces_per_peer(r, 0) for r in (1, 2, 3, 4, 5, 6, 8)] == [2, 2, 2, 2, 2, 1, 1]
+    assert [pieces_per_peer(r, 0) for r in (1, 2, 3, 4, 5, 6, 8)] == [3, 3, 3, 2, 2, 1, 1]
     assert all(pieces_per_peer(r, 0) * (r - 1) <= MAX_PIECES for r in range(2, 10))
     assert pieces_per_peer(8, 3) == 3 and pieces_per_peer(2, 1) == 1
 

@@ -34,9 +34,11 @@ class Tuning:
     # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
     # this many pieces per peer (each piece costs a copy and a stream write on the host, and a
     # few microseconds between them on the GPU, so a few large pieces beat many small ones);
-    # 0: by rank count (``combine_copy_engine.pieces_per_peer``).
+    # 0: by rank count (``combine_copy_engine.pieces_per_peer``). Each piece is this fraction of
+    # the one before (``combine_copy_engine.piece_ends``).
     copy_engine_combine: bool = True
     combine_pieces: int = 0
+    combine_piece_ratio: float = 0.6
     # Those pieces through the CUDA driver (cuda-bindings: a copy and a stream write per piece)
     # when it is installed; False: torch's copies and a signal kernel per piece.
     combine_driver: bool = True
@@ -84,6 +86,7 @@ ENVIRONMENT = {
     "stage": "TRITONEP_STAGE",
     "copy_engine_combine": "TRITONEP_COMBINE_COPY_ENGINE",
     "combine_pieces": "TRITONEP_COMBINE_PIECES",
+    "combine_piece_ratio": "TRITONEP_COMBINE_PIECE_RATIO",
     "combine_driver": "TRITONEP_COMBINE_DRIVER",
     "send_before_sync": "TRITONEP_SEND_BEFORE_SYNC",
     "receive_before_sync": "TRITONEP_RECEIVE_BEFORE_SYNC",

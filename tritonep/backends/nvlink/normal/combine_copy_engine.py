@@ -7,16 +7,20 @@ the counts (every dispatch that read them back) the block needs no gather, so ea
 crosses NVLink as ``cudaMemcpyAsync`` calls into the peer's symmetric memory: the copy engines
 carry the bulk bytes at link speed and the SMs are left to reduce.
 
-The block to each peer goes in ``pieces`` pieces, in token order, on that peer's side stream
-(``side_streams.PeerStreams``). After each piece the stream publishes ``(epoch << 32) | rows``
-in the peer's tail word for (this rank, piece): exactly what an SM sender of
-``combine_kernel`` publishes for a channel, with pieces as channels. So the reduction is
-``combine_kernel`` itself with no sender programs: its reducers wait per stage of tokens for
-the pieces that hold the stage's rows, and take the stages interleaved (stage i on program
-i % P), so that every program follows the front of arriving pieces and the reduction overlaps
-the copies instead of trailing them. The top-k weights (a few bytes per row) go first, for all
-peers in one small kernel on the caller's stream (``push_combine_weights``); the side streams
-start after it, so every tail word is written after the weights it publishes.
+The block to each peer goes in ``pieces`` pieces, in token order, each a little smaller than
+the one before (``piece_ends``). All pieces go on one side stream (``side_streams.PeerStreams``),
+round by round: the first piece of every peer, then the second of every peer, and so on. The
+copy engines run one peer copy at a time anyway, and in this order each rank receives the
+first rows of every peer early, so its reducers start while the rest is on the wire; the last
+round is the smallest, so the reduction that trails the last copy is short. After each piece
+the stream publishes ``(epoch << 32) | rows so far`` in the peer's tail word for this rank:
+exactly what one SM sender of ``combine_kernel`` publishes for its channel, so the reduction is
+``combine_kernel`` itself with no sender programs and one channel per peer. Its reducers wait
+per stage of tokens for the rows the stage needs, and take the stages interleaved (stage i on
+program i % P), so that every program follows the front of arriving rows. The top-k weights (a
+few bytes per row) go to all peers in one small kernel on the caller's stream
+(``push_combine_weights``) while the first copy runs; the side stream waits for that kernel
+before its first tail word, so every tail word is written after the weights it publishes.
 
 Host cost: each operation on a side stream costs the host microseconds, and an EP8 combine has
 7 peers. A copy costs about what a small kernel launch costs (through cuda-bindings, ctypes or
@@ -67,15 +71,17 @@ _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_inde
 
 @triton.jit(do_not_specialize=["rank"])
 def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weights, rank,
-                           NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr):
-    """Program p pushes the top-k weights of the rows this rank returns to peer
+                           NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                           GPU: tl.constexpr):
+    """``SPLIT`` programs per peer push the top-k weights of the rows this rank returns to peer
     (rank + 1 + p) % R into that peer's combine staging, at the rows' staging positions.
 
     In our ``x`` (dispatch's output) the peer's rows are its block of ``rank_prefix_matrix``;
     in the peer's staging they follow the rows it got back from lower expert ranks, the sum
     over e < rank of what it sent to e. The same arithmetic as ``combine_copies`` on the host.
     """
-    peer = (rank + 1 + tl.program_id(0)) % NUM_RANKS
+    peer = (rank + 1 + tl.program_id(0) // SPLIT) % NUM_RANKS
+    part = tl.program_id(0) % SPLIT
     start = block_start(prefix_ptr, peer, rank, NUM_RANKS)
     total = block_count(prefix_ptr, peer, rank, NUM_RANKS) * NUM_TOPK
     offset = start * 0
@@ -84,7 +90,7 @@ def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weig
     peer_base = tl.load(peer_base_ptrs + peer)
     src = weights_ptr + start.to(tl.int64) * NUM_TOPK
     dst = (peer_base + staging_weights).to(tl.pointer_type(tl.float32)) + offset.to(tl.int64) * NUM_TOPK
-    for e0 in range(0, total, BLOCK):
+    for e0 in range(part * BLOCK, total, SPLIT * BLOCK):
         elements = e0 + tl.arange(0, BLOCK)
         mask = elements < total
         tl.store(dst + elements, tl.load(src + elements, mask=mask), mask=mask)
@@ -93,6 +99,10 @@ def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weig
 
 _WEIGHTS = FastLauncher(combine_weights_kernel, changing=("weights_ptr", "prefix_ptr"))
 
+# Programs per peer of the weights kernel: one program alone is latency-bound (a few hundred KB
+# per peer), and the kernel runs beside the first copy, which it must not outlast.
+WEIGHTS_SPLIT = 8
+
 # Pieces in all (over the peers) that a combine's host issue may cost by default: each piece
 # costs the host about a kernel launch (module docstring), and more than 8 of them would be a
 # large part of an EP8 combine's time on slow hosts.
@@ -100,39 +110,53 @@ MAX_PIECES = 8
 
 
 def pieces_per_peer(num_ranks: int, requested: int) -> int:
-    """Pieces per peer: ``requested`` if set (> 0), else 2 while the peers are few and 1 from
-    EP6 on (EP8: 7 pieces). A piece lets the reduction start earlier, but costs the host a copy
-    and a stream write: past 2 per peer the host's cost outweighs the earlier start."""
+    """Pieces per peer: ``requested`` if set (> 0), else 3 at EP2, 2 up to EP5 and 1 from EP6
+    on (EP8: 7 pieces). A piece lets the reduction start earlier, but costs the host a copy
+    and a stream write."""
     if requested > 0:
         return requested
-    return max(1, min(2, MAX_PIECES // max(num_ranks - 1, 1)))
+    return max(1, min(3, MAX_PIECES // max(num_ranks - 1, 1)))
+
+
+def piece_ends(count: int, pieces: int, ratio: float) -> list[int]:
+    """Row ends of a ``count``-row block cut into ``pieces`` pieces in token order, each piece
+    ``ratio`` times the one before: the rows of the last round are all the reducers have left
+    to do once the last copy lands, so it pays to make that round small."""
+    weights = [ratio ** k for k in range(pieces)]
+    total, ends, acc = sum(weights), [], 0.0
+    for w in weights[:-1]:
+        acc += w
+        ends.append(min(count, round(count * acc / total)))
+    return ends + [count]
 
 
 def push_combine_weights(topk_weights: torch.Tensor, rank_prefix_matrix: torch.Tensor, peer_base_ptrs: torch.Tensor,
                          staging_weights: int, rank: int, num_ranks: int, owner: object) -> None:
-    """Launch ``combine_weights_kernel`` on the current stream: every peer's top-k weights, one
-    program per peer. ``owner``: a key that stands for ``peer_base_ptrs``, ``rank`` and
-    ``num_ranks`` (equal keys, equal values; the engine's launch generation)."""
+    """Launch ``combine_weights_kernel`` on the current stream: every peer's top-k weights.
+    ``owner``: a key that stands for ``peer_base_ptrs``, ``rank`` and ``num_ranks`` (equal
+    keys, equal values; the engine's launch generation)."""
     num_topk = topk_weights.shape[1]
-    _WEIGHTS(num_ranks - 1, (owner, staging_weights, num_topk),
+    _WEIGHTS((num_ranks - 1) * WEIGHTS_SPLIT, (owner, staging_weights, num_topk),
              (topk_weights, rank_prefix_matrix, peer_base_ptrs, staging_weights, rank),
-             lambda: dict(NUM_RANKS=num_ranks, NUM_TOPK=num_topk, BLOCK=1024, GPU=GPU_KERNELS), 4)
+             lambda: dict(NUM_RANKS=num_ranks, NUM_TOPK=num_topk, SPLIT=WEIGHTS_SPLIT, BLOCK=512, GPU=GPU_KERNELS), 4)
 
 
 class CombineCopier:
     """The copy-engine combine's side work for one engine and tuning: the top-k weights to every
-    peer (on the current stream: the tail words publish them), then each peer's rows in pieces on
-    that peer's side stream of ``streams``, which the caller joins after the reduction's launch.
+    peer (on the current stream), then every peer's rows in pieces, round by round, on one side
+    stream of ``streams``, which the caller joins after the reduction's launch.
 
     ``driver``: from ``driver_memory_operations``, or None for torch's copies and the signal
     kernel. ``owner``: a key that stands for ``memory``, ``rank`` and ``num_ranks`` in the
-    launches' setup keys (the engine's launch generation)."""
+    launches' setup keys (the engine's launch generation). ``piece_ratio``: see ``piece_ends``."""
 
-    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner")
+    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner", "piece_ratio", "weights_done")
 
-    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object) -> None:
+    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object,
+                 piece_ratio: float = 1.0) -> None:
         self.memory, self.rank, self.num_ranks = memory, memory.rank, memory.num_ranks
-        self.streams, self.driver, self.owner = streams, driver, owner
+        self.streams, self.driver, self.owner, self.piece_ratio = streams, driver, owner, piece_ratio
+        self.weights_done = torch.cuda.Event() if memory.local.device.type == "cuda" else None
 
     def fork(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
              rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int, epoch: int) -> None:
@@ -141,12 +165,17 @@ class CombineCopier:
         if not copies:   # no rows go to a peer (one rank, or all stay here): nothing to send
             return
         memory = self.memory
+        start = self.streams.mark()   # the copies need not wait for the weights kernel
+        weights_done = None
         if topk_weights is not None:
             push_combine_weights(topk_weights, rank_prefix_matrix, memory.peer_base_ptrs, regions[1], self.rank,
                                  self.num_ranks, self.owner)
-        self.streams.fork(combine_copy_jobs(
+            if self.weights_done is not None:
+                weights_done = self.weights_done
+                weights_done.record()   # on the current stream
+        self.streams.fork([combine_copy_job(
             x, copies, memory.peers, memory.peer_base_ptrs, regions[0], memory.signals.combine_tail, self.rank, epoch,
-            pieces, self.owner, self.driver))
+            pieces, self.piece_ratio, weights_done, self.owner, self.driver)], after=start)
 
 
 def driver_memory_operations(device: torch.device) -> Any:
@@ -171,18 +200,13 @@ def _check(result: tuple, what: str) -> None:
         raise RuntimeError(f"combine's {what} failed: {result[0]!r}")
 
 
-def piece_range(count: int, piece: int, pieces: int) -> tuple[int, int]:
-    """Rows [lo, hi) of a ``count``-row block in piece ``piece`` of ``pieces`` (``rows.channel_range``)."""
-    size = -(-count // pieces)
-    lo = min(piece * size, count)
-    return lo, min(lo + size, count)
-
-
-def combine_copy_jobs(x: torch.Tensor, copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor],
-                      peer_base_ptrs: torch.Tensor, staging_x: int, tail_word: int, rank: int, epoch: int,
-                      pieces: int, owner: object, driver: Any = None) -> list[Callable[[], None]]:
-    """One job per peer: its block of ``x`` in ``pieces`` copies, each followed by its tail word
-    (the weights went before, ``push_combine_weights``).
+def combine_copy_job(x: torch.Tensor, copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor],
+                     peer_base_ptrs: torch.Tensor, staging_x: int, tail_word: int, rank: int, epoch: int,
+                     pieces: int, piece_ratio: float, weights_done: torch.cuda.Event | None, owner: object,
+                     driver: Any = None) -> Callable[[], None]:
+    """The side stream's job: every peer's block of ``x`` in ``pieces`` copies (``piece_ends``),
+    round by round over the peers, each copy followed by its tail word; the first tail word
+    waits for ``weights_done`` (the weights kernel, when there is one).
 
     ``copies`` lists ``(peer, first row in x, rows, first row in the peer's staging)``.
     ``owner``: a key that stands for ``peer_base_ptrs`` (equal keys, equal tensors).
@@ -191,22 +215,25 @@ def combine_copy_jobs(x: torch.Tensor, copies: list[tuple[int, int, int, int]], 
     make = _driver_piece if driver is not None else _torch_piece
     move_piece = make(driver, x, peers, peer_base_ptrs, staging_x, tail_word + rank * MAX_CHANNELS, epoch << 32,
                       owner)
+    ends = [piece_ends(count, pieces, piece_ratio) for _, _, count, _ in copies]
 
-    def job(peer: int, start: int, count: int, offset: int) -> Callable[[], None]:
-        def run() -> None:
-            stream = current_stream() if driver is not None else 0   # (the kernel finds its own)
-            for piece in range(pieces):
-                lo, hi = piece_range(count, piece, pieces)
+    def run() -> None:
+        stream = current_stream() if driver is not None else 0   # (the kernel finds its own)
+        waiting = weights_done
+        for piece in range(pieces):
+            for (peer, start, _, offset), peer_ends in zip(copies, ends):
+                lo, hi = peer_ends[piece - 1] if piece else 0, peer_ends[piece]
                 if hi > lo:
-                    move_piece(stream, peer, piece, start + lo, offset + lo, hi - lo)
-        return run
+                    if waiting is not None:
+                        torch.cuda.current_stream().wait_event(waiting)
+                        waiting = None
+                    move_piece(stream, peer, start + lo, offset + lo, hi - lo, hi)
+    return run
 
-    return [job(*copy) for copy in copies]
 
-
-# A piece mover: ``(stream, peer, piece, first row in x, first row in the peer's staging, rows)``
-# copies the piece's rows into the peer's staging, then publishes ``stamp + rows`` in the peer's
-# tail word ``tail_index + piece`` for (this rank, piece).
+# A piece mover: ``(stream, peer, first row in x, first row in the peer's staging, rows, rows so
+# far)`` copies the piece's rows into the peer's staging, then publishes ``stamp + rows so far``
+# in the peer's tail word ``tail_index`` for this rank.
 PieceMover = Callable[[int, int, int, int, int, int], None]
 
 
@@ -216,10 +243,10 @@ def _torch_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_b
     row_bytes = x.shape[1] * x.element_size()
     x_bytes = x.view(torch.uint8).view(-1)
 
-    def move(stream: int, peer: int, piece: int, src_row: int, dst_row: int, rows: int) -> None:
+    def move(stream: int, peer: int, src_row: int, dst_row: int, rows: int, so_far: int) -> None:
         peers[peer].narrow(0, staging_x + dst_row * row_bytes, rows * row_bytes).copy_(
             x_bytes.narrow(0, src_row * row_bytes, rows * row_bytes), non_blocking=True)
-        _SIGNAL(1, owner, (peer_base_ptrs, peer, tail_index + piece, stamp + rows), {}, 1)
+        _SIGNAL(1, owner, (peer_base_ptrs, peer, tail_index, stamp + so_far), {}, 1)
     return move
 
 
@@ -231,11 +258,11 @@ def _driver_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_
     x_address = x.data_ptr()
     bases = [peer.data_ptr() for peer in peers]
 
-    def move(stream: int, peer: int, piece: int, src_row: int, dst_row: int, rows: int) -> None:
+    def move(stream: int, peer: int, src_row: int, dst_row: int, rows: int, so_far: int) -> None:
         base = bases[peer]
         _check(driver.cuMemcpyDtoDAsync(base + staging_x + dst_row * row_bytes, x_address + src_row * row_bytes,
                                         rows * row_bytes, stream), "row copy")
-        _check(driver.cuStreamWriteValue64(stream, base + (tail_index + piece) * 8, stamp + rows, 0), "tail write")
+        _check(driver.cuStreamWriteValue64(stream, base + tail_index * 8, stamp + so_far, 0), "tail write")
     return move
 
 

@@ -6,7 +6,8 @@ area, grouped by the rank it comes from (the order of s's own send lists, so s f
 of token t from rank r at ``offset[r] + send_pos[t, r]``).
 
 * **Sender programs** split every returning block into ``NUM_SENDERS`` channels, push the
-  rows (and top-k weights) and publish progress counters like dispatch does.
+  rows (and top-k weights), one tile to each peer in turn, and publish progress counters like
+  dispatch does.
 * **Reducer programs** walk the tokens in stages; before a stage they wait until every
   channel holding one of the stage's rows has delivered it, then sum each token's copies in
   float32 (our own copy is read straight from ``x``), add the biases and write bf16. Stages
@@ -73,35 +74,45 @@ def combine_kernel(
     stamp = epoch.to(tl.int64) << 32
     ranks = tl.arange(0, RANKS_PAD)
     if pid < NUM_SENDERS:
+        # Sender pid moves channel pid of the block returning to every peer, one tile to each
+        # peer in turn: a source's reducers need a token's rows from every expert rank, so
+        # fronts that advance together let them reduce while rows arrive, not after the last
+        # peer's rows came.
+        longest = 0
         for step in range(0, NUM_RANKS - 1):
             source = (rank + 1 + step) % NUM_RANKS
-            start = block_start(prefix_ptr, source, rank, NUM_RANKS)
             lo, hi = channel_range(block_count(prefix_ptr, source, rank, NUM_RANKS), pid, NUM_SENDERS)
-            # Where our rows start in the source's staging: after rows from lower ranks.
-            offset = tl.sum(tl.where(ranks < rank, _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS), 0), axis=0)
-            peer_base = tl.load(peer_base_ptrs + source)
-            # Rows travel as 4-byte words (x_words_ptr aliases x): twice the bytes per tile.
-            dst_x = tl.multiple_of((peer_base + staging_x).to(tl.pointer_type(tl.int32)), 16)
-            row_words = hidden // 2
-            dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
-            tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
+            longest = tl.maximum(longest, hi - lo)
             if hi > lo:
                 wait_at_least(my_signals + DONE_WORD + source, released_target.to(tl.int64),
                               status_ptr, timeout_ns, PHASE_COMBINE_SLOT, source, GPU)
-            tiles = 0
-            for row0 in range(lo, hi, ROWS):
-                rows = row0 + tl.arange(0, ROWS)
-                dst_rows = offset + rows
-                mask = (rows < hi) & (dst_rows < capacity)
-                copy_rows(x_words_ptr, start + rows, row_words, 1, dst_x, dst_rows, mask, row_words, COPY_BLOCK, False)
-                if HAS_WEIGHTS:
-                    copy_rows(weights_ptr, start + rows, NUM_TOPK, 1, dst_weights, dst_rows, mask, NUM_TOPK, 16,
+        row_words = hidden // 2   # rows travel as 4-byte words (x_words_ptr aliases x)
+        tiles = 0
+        for tile0 in range(0, longest, ROWS):
+            tiles += 1
+            for step in range(0, NUM_RANKS - 1):
+                source = (rank + 1 + step) % NUM_RANKS
+                start = block_start(prefix_ptr, source, rank, NUM_RANKS)
+                lo, hi = channel_range(block_count(prefix_ptr, source, rank, NUM_RANKS), pid, NUM_SENDERS)
+                row0 = lo + tile0
+                if row0 < hi:
+                    # Where our rows start in the source's staging: after rows from lower ranks.
+                    offset = tl.sum(tl.where(ranks < rank, _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS), 0),
+                                    axis=0)
+                    peer_base = tl.load(peer_base_ptrs + source)
+                    dst_x = tl.multiple_of((peer_base + staging_x).to(tl.pointer_type(tl.int32)), 16)
+                    rows = row0 + tl.arange(0, ROWS)
+                    dst_rows = offset + rows
+                    mask = (rows < hi) & (dst_rows < capacity)
+                    copy_rows(x_words_ptr, start + rows, row_words, 1, dst_x, dst_rows, mask, row_words, COPY_BLOCK,
                               False)
-                tiles += 1
-                if tiles % SIGNAL_EVERY == 0:
-                    publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
-            if hi > lo:
-                publish(tail, stamp + hi - lo)
+                    if HAS_WEIGHTS:
+                        dst_weights = (peer_base + staging_weights).to(tl.pointer_type(tl.float32))
+                        copy_rows(weights_ptr, start + rows, NUM_TOPK, 1, dst_weights, dst_rows, mask, NUM_TOPK, 16,
+                                  False)
+                    if (tiles % SIGNAL_EVERY == 0) | (row0 + ROWS >= hi):
+                        tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
+                        publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
     else:
         reducer = pid - NUM_SENDERS
         row_base = staging_row_base(prefix_ptr, rank, NUM_RANKS, RANKS_PAD)

@@ -82,7 +82,7 @@ class NormalEngine:
         self._status_args = (state.status.tensor, self.timeout_ns)
         self.copier = None if self._memory is None else CombineCopier(
             self._memory, state.peer_streams, self._driver if tuning.combine_driver else None,
-            state.launch_generation)
+            state.launch_generation, tuning.combine_piece_ratio)
 
     @property
     def memory(self) -> SymmetricBuffer:
@@ -299,7 +299,8 @@ class NormalEngine:
             self.copier.fork(x, topk_weights, plan.combine_copies, handle.rank_prefix_matrix, regions, pieces,
                              state.combine_epoch)
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
-            launch = COMBINE(reducers, setup + (0, reducers, pieces), args, constants(0, reducers, pieces), t.warps)
+            # One tail word per peer: its pieces publish the rows delivered so far.
+            launch = COMBINE(reducers, setup + (0, reducers, 1), args, constants(0, reducers, 1), t.warps)
             state.peer_streams.join()
         else:
             pieces = 0
