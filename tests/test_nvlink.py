@@ -57,8 +57,8 @@ def test_interpreter_matches_cpu_backend(interpreter_pools, case: Case) -> None:
 
 
 # The paths and shapes the defaults do not take: the copy-engine combine in 1, 3 or 4 pieces per
-# peer (equal, or each a third of the one before), the SM-only combine, the send half launched after the host read the counts, tiles of
-# other row counts. Each must give the CPU backend's results.
+# peer (equal, or each a third of the one before), the SM-only combine, the send half launched
+# after the host read the counts, tiles of other row counts. Each must give the CPU backend's results.
 TUNING_VARIANTS = [dict(combine_pieces=1), dict(combine_pieces=3, combine_piece_ratio=1.0),
                    dict(combine_pieces=4, combine_piece_ratio=0.3), dict(copy_engine_combine=False),
                    dict(send_before_sync=False), dict(rows=4), dict(rows=8, sender_fraction=0.75)]
