@@ -192,16 +192,16 @@ def gpu_repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
     from nvlink_cases import count_replays
 
     device = torch.device("cuda", torch.cuda.current_device())
-    generator = torch.Generator().manual_seed(group.rank())
+    cpu = dict(generator=torch.Generator().manual_seed(group.rank()), dtype=torch.float32, device="cpu")
     tokens, hidden, experts = 64, 512, 4 * group.size()
 
     def bf16(rows: int) -> torch.Tensor:
-        return torch.randn(rows, hidden, generator=generator, dtype=torch.float32).to(torch.bfloat16).to(device)
+        return torch.randn(rows, hidden, **cpu).to(torch.bfloat16).to(device)
 
     buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=tokens, hidden=hidden, num_topk=TOPK,
                                    explicitly_destroy=True)
-    topk_idx = torch.rand(tokens, experts, generator=generator).topk(TOPK, dim=1).indices.to(device)
-    weights = torch.rand(tokens, TOPK, generator=generator).to(device)
+    topk_idx = torch.rand(tokens, experts, **cpu).topk(TOPK, dim=1).indices.to(device)
+    weights = torch.rand(tokens, TOPK, **cpu).to(device)
     recv_x, _, recv_weights, handle, _ = buffer.dispatch(bf16(tokens), topk_idx=topk_idx, topk_weights=weights,
                                                          num_experts=experts, num_sms=NUM_SMS)
     engine_handle = handle._state.engine_handle
