@@ -3,7 +3,7 @@
     python -m benchmarks [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
                          [--num-sms 24] [--iters 50] [--rounds 2] [--out DIR] [--sweep] [--vs-deepep]
                          [--ll-tokens T] [--ll-experts E] [--skip-normal] [--skip-low-latency]
-                         [--cpu | --gpu] [--profile | --baseline DIR]
+                         [--cpu | --gpu] [--profile | --baseline DIR | --api v2]
 
 Modes, one per run:
 
@@ -19,6 +19,8 @@ Modes, one per run:
   writes ``profile.json``;
 * ``--baseline DIR`` (at ``--ranks 1``): the package at DIR against this checkout, one rank, both
   in one process taking turns (``ab.py``); writes ``ab.json``.
+* ``--api v2``: DeepEP V2's calls (``ElasticBuffer``) beside V1's (``Buffer``) on the same backend
+  and inputs, GPU and host time per call and V2's extra host time (``v2.py``); writes ``bench_v2.json``.
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). ``timing.py`` says how calls are
@@ -34,7 +36,7 @@ import os
 
 import torch
 
-from . import ab, kernel_profile, low_latency, normal, report
+from . import ab, kernel_profile, low_latency, normal, report, v2
 from .internals import RankPool
 
 
@@ -63,6 +65,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--profile", action="store_true", help="normal-mode kernel and copy times (torch.profiler)")
     mode.add_argument("--baseline", metavar="DIR", help="one-rank A/B: the tritonep package at DIR against this one")
+    mode.add_argument("--api", choices=("v1", "v2"), default="v1",
+                      help="v2: DeepEP V2's ElasticBuffer calls beside V1's Buffer calls (v1: the benchmark above)")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu else torch.cuda.device_count()
@@ -102,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
             reports = pool.run(kernel_profile.run_rank, args)
             kernel_profile.print_reports(reports)
             _write(args, "profile.json", reports)
+            return
+        if args.api == "v2":
+            result = pool.run(v2.run_rank, args)[0]
+            v2.print_report(result)
+            _write(args, "bench_v2.json", result)
             return
         result = {} if args.skip_normal else pool.run(normal.run_rank, args)[0]
         if not args.skip_low_latency:

@@ -32,7 +32,7 @@ KINDS = ("layout", "fresh_dispatch", "cached_dispatch", "combine_copy_engine", "
 def profile_calls(fn: Callable[[], object], gpu: bool, gaps: tuple[str, str] | None = None) -> dict:
     """Mean device time per call of each kernel and copy of ``fn`` (on CPU: of each op); with
     ``gaps=(a, b)`` also the mean idle time between the end of kernel ``a`` and the start of the
-    next ``b``."""
+    next ``b``, kernels named by the last part of their profiler name (``tritonep::intranode::a``)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -62,9 +62,10 @@ def profile_calls(fn: Callable[[], object], gpu: bool, gaps: tuple[str, str] | N
     if gaps is not None:
         idle, first_end = [], None
         for event in events:
-            if event.name.startswith(gaps[0]):
+            name = event.name.rsplit("::", 1)[-1]
+            if name == gaps[0]:
                 first_end = event.time_range.end
-            elif event.name.startswith(gaps[1]) and first_end is not None:
+            elif name == gaps[1] and first_end is not None:
                 idle.append(event.time_range.start - first_end)
                 first_end = None
         if idle:
@@ -93,7 +94,7 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
 
     report = {"rank": rank, "recv_rows": recv_x.shape[0]}
     report["layout"] = profile_calls(lambda: buffer.get_dispatch_layout(topk_idx, args.experts), gpu)
-    report["fresh_dispatch"] = profile_calls(fresh, gpu, gaps=("notify_dispatch", "dispatch_kernel"))
+    report["fresh_dispatch"] = profile_calls(fresh, gpu, gaps=("notify_counts", "dispatch"))
     report["cached_dispatch"] = profile_calls(lambda: buffer.dispatch(x, handle=handle, config=config), gpu)
     report["combine_copy_engine"] = profile_calls(combine, gpu)
     if gpu:

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Everything we run on a GPU machine, one mode per call; logs and JSON go to $OUT (the device
 # tool brings that folder back).
-#   bash scripts/gpu_check.sh [tests|bench|profile|ab|all]
+#   bash scripts/gpu_check.sh [tests|bench|v2|profile|ab|all]
 #     tests    the GPU tests under DeepEP's torch defaults (cuda device, bf16 dtype), at each rank
 #              count of TEST_RANKS (default: one rank per GPU; more ranks than GPUs share them);
 #              TESTS: the files (default: every GPU test file), TEST_FILTER: pytest -k.
 #     bench    python -m benchmarks at each rank count of BENCH_RANKS (default: one per GPU),
 #              beside DeepEP V1 when .bench_deps holds its sources (built on the CPUs first);
 #              BENCH_ARGS go to every run (e.g. --sweep, --skip-low-latency).
+#     v2       python -m benchmarks --api v2 at each rank count of BENCH_RANKS: ElasticBuffer's calls
+#              beside Buffer's, GPU and host time per call and V2's extra host time.
 #     profile  python -m benchmarks --profile: each normal-mode call's kernels and copies, per rank.
 #     ab       BASELINE=path (a folder holding an older tritonep/): that package against this
 #              checkout at one rank on one GPU, in the same run (python -m benchmarks --ranks 1
@@ -88,6 +90,13 @@ bench() {
   done
 }
 
+bench_v2() {
+  for ranks in ${BENCH_RANKS:-$GPUS}; do
+    run "bench_v2_$ranks" "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --gpu --ranks "$ranks" --api v2 \
+      --out "$OUT/bench_v2_$ranks"
+  done
+}
+
 profile() {
   run profile "${PROFILE_TIMEOUT:-150}" python3 -m benchmarks --profile --out "$OUT/profile"
 }
@@ -101,6 +110,7 @@ ab() {
 case "$MODE" in
   tests) gpu_tests ;;
   bench) bench ;;
+  v2) bench_v2 ;;
   profile) profile ;;
   ab) ab ;;
   all)
@@ -111,6 +121,6 @@ case "$MODE" in
     profile
     run demo "${DEMO_TIMEOUT:-120}" bash scripts/run_demo.sh
     ;;
-  *) echo "gpu_check.sh: unknown mode '$MODE' (tests, bench, profile, ab, all)"; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$MODE' (tests, bench, v2, profile, ab, all)"; exit 2 ;;
 esac
 exit $status

@@ -145,7 +145,7 @@ def _scaled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], factor: float) 
 def count_replays() -> Iterator[dict[str, int]]:
     """Count, in this process, the calls that replays served (a replay that returns None sends
     its call to the general path and is not counted), by the replay key's kind: "cached_dispatch"
-    and "combine" (a handle's table), "low_latency" (a Buffer's)."""
+    and "combine" (a handle's table, V1's or V2's), "low_latency" (a Buffer's)."""
     taken = {"cached_dispatch": 0, "combine": 0, "low_latency": 0}
     learn = ReplayTable.learn
 
@@ -166,7 +166,8 @@ def count_replays() -> Iterator[dict[str, int]]:
 
     def counting_learn(table: ReplayTable, key: Hashable, replay: Replay | None) -> None:
         if replay is not None and not isinstance(replay, Counted):
-            replay = Counted(replay, key[0] if isinstance(key[0], str) else "low_latency")
+            # ElasticBuffer keys the same kinds as "v2_cached_dispatch", "v2_combine".
+            replay = Counted(replay, key[0].removeprefix("v2_") if isinstance(key[0], str) else "low_latency")
         learn(table, key, replay)
 
     ReplayTable.learn = counting_learn   # type: ignore[method-assign]

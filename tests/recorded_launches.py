@@ -69,3 +69,33 @@ def launches_faked(fast_launchers: tuple, setup: type, replay_modules: tuple[Mod
             item.kernel = kernel
             item.setups.clear()
             item.setups.update(setups)
+
+
+def normal_launches_recorded() -> contextlib.AbstractContextManager:
+    """Inside, the normal mode's launches are learnt and repeated as on a GPU, but each is a
+    ``RecordedLaunch`` and nothing is compiled or run (``launches_faked``)."""
+    from tritonep.backends.nvlink.normal import combine_copy_engine, replay
+    from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
+    from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
+
+    launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL)
+    return launches_faked(launchers, RecordedLaunch, (replay,))
+
+
+def tensors_in(result: object) -> list[torch.Tensor]:
+    """The tensors in ``result`` (nested tuples flattened, None and other values left out)."""
+    if isinstance(result, tuple):
+        return [tensor for item in result for tensor in tensors_in(item)]
+    return [result] if isinstance(result, torch.Tensor) else []
+
+
+def named_launches(log: list, result: object) -> list:
+    """The recorded launches (grid, arguments) with the addresses of ``result``'s tensors
+    replaced by names: two runs that make new outputs compare equal when they launch alike."""
+    names = {tensor.data_ptr(): f"output {index}" for index, tensor in enumerate(tensors_in(result))}
+    return [(grid, tuple(names.get(value, value) if type(value) is int else value for value in args))
+            for _, grid, args in log]
+
+
+def result_shapes(result: object) -> tuple:
+    return tuple((tuple(tensor.shape), tensor.dtype) for tensor in tensors_in(result))

@@ -62,3 +62,21 @@ def test_ab_flags_rows_more_than_five_percent_slower(capsys) -> None:
     ab.print_table(result)
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(",")[0] for line in lines if "WORSE" in line] == ["combine"]
+
+
+def test_v2_api_beside_v1_on_cpu_ranks(tmp_path, capsys) -> None:
+    """``--api v2``: every V2 call beside the V1 call(s) of the same shape, same run: both APIs'
+    call and host times, and V2's extra host time, per row."""
+    main(["--cpu", "--ranks", "2", "--api", "v2", "--tokens", "16", "--hidden", "256", "--experts", "8", "--topk", "3",
+          "--iters", "2", "--rounds", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench_v2.json").read_text())
+    assert result["backend"] == "collective" and result["ranks"] == 2
+    rows = result["rows"]
+    assert set(rows) == {"fresh dispatch", "fresh dispatch, no CPU sync", "cached dispatch", "combine",
+                         "combine, top-k weights"}
+    for name, row in rows.items():
+        assert all(row[f"{api}_{kind}_us"] > 0 for api in ("v1", "v2") for kind in ("gpu", "host")), name
+        assert abs(row["v2_minus_v1_host_us"]) < 1e6, name
+    table = capsys.readouterr().out
+    assert "V2 (ElasticBuffer) beside V1 (Buffer): 2 ranks on cpu" in table
+    assert all(name in table for name in rows)

@@ -3,7 +3,8 @@
 The interpreter tests run the kernels' logic on the CPU but skip the compiler, which is
 stricter (loop-carried types, both branches of an ``if`` yielding the same pointer type,
 inline PTX). Compiling here, with Triton's own ptxas, catches those errors in CI instead of
-on the GPU machine. Pointer arguments are given by dtype, integers by an example value.
+on the GPU machine. Each compiled kernel's entry must be its C++ name (tests/test_kernel_names.py).
+Pointer arguments are given by dtype, integers by an example value.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel  # noq
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.notify_kernel import notify_dispatch_kernel  # noqa: E402
+from tritonep.runtime.kernel_names import mangled  # noqa: E402
 
 POINTER_TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16",
                  torch.bool: "*i1", torch.int8: "*i8"}
@@ -41,7 +43,11 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4)
         else:
             signature[name] = "i64" if abs(args[name]) >= 2**31 else "i32"
     source = ASTSource(kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    # The kernel's entry is its C++ name (runtime/kernel_names.py), which ptxas has taken.
+    entry = mangled(kernel.profiler_name)
+    assert compiled.metadata.name == entry and f".entry {entry}(" in compiled.asm["ptx"], compiled.metadata.name
+    return compiled
 
 
 def test_layout_kernel_compiles() -> None:

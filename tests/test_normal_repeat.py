@@ -14,13 +14,12 @@ GPU tests, where repeated calls take these paths.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from recorded_launches import RecordedLaunch, launches_faked
+from recorded_launches import RecordedLaunch, named_launches, normal_launches_recorded, result_shapes
 
 import tritonep as deep_ep
 from tritonep.core.replay import ReplayTable
@@ -28,36 +27,6 @@ from tritonep.core.replay import ReplayTable
 TOKENS, HIDDEN, EXPERTS, TOPK, CALLS = 12, 256, 8, 3, 3
 # What each kind of call advances in the engine's state.
 DISPATCH_COUNTERS, COMBINE_COUNTERS = ("dispatch_epoch", "dispatch_released"), ("combine_epoch", "combine_released")
-
-
-def _tensors(result: object) -> list[torch.Tensor]:
-    """The tensors in ``result`` (nested tuples flattened, None left out)."""
-    if isinstance(result, tuple):
-        return [tensor for item in result for tensor in _tensors(item)]
-    return [result] if isinstance(result, torch.Tensor) else []
-
-
-def _named(log: list, result: object) -> list:
-    """The recorded launches (grid, arguments) with the addresses of ``result``'s tensors
-    replaced by names."""
-    names = {tensor.data_ptr(): f"output {index}" for index, tensor in enumerate(_tensors(result))}
-    return [(grid, tuple(names.get(value, value) if type(value) is int else value for value in args))
-            for _, grid, args in log]
-
-
-def _shapes(result: object) -> tuple:
-    return tuple((tuple(tensor.shape), tensor.dtype) for tensor in _tensors(result))
-
-
-def launches_recorded() -> contextlib.AbstractContextManager:
-    """Inside, the normal mode's launches are learnt and repeated as on a GPU, but each is a
-    ``RecordedLaunch`` and nothing is compiled or run (``recorded_launches.launches_faked``)."""
-    from tritonep.backends.nvlink.normal import combine_copy_engine, replay
-    from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
-    from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
-
-    launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL)
-    return launches_faked(launchers, RecordedLaunch, (replay,))
 
 
 def _status_word_in_every_launch(status_address: int) -> bool:
@@ -105,7 +74,7 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             handle.replays = learnt if through_replay else ReplayTable()   # (what the general run learns goes)
             RecordedLaunch.log = []
             result = call()[:2]   # (recv_x, None) or (combined_x, combined_topk_weights)
-            runs.append((_named(RecordedLaunch.log, result), _shapes(result),
+            runs.append((named_launches(RecordedLaunch.log, result), result_shapes(result),
                          tuple(getattr(state, counter) for counter in counters)))
         handle.replays = learnt
         if runs[0] != runs[1]:
@@ -124,7 +93,7 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             problems.append(f"{what}: replays served {taken}, expected {wanted}")
 
     try:
-        with launches_recorded(), count_replays() as taken:
+        with normal_launches_recorded(), count_replays() as taken:
             # Cached dispatch, bf16 and fp8; then combine with and without top-k weights.
             for make_x in (bf16, lambda: deep_ep.utils.per_token_cast_to_fp8(bf16())):
                 buffer.dispatch(make_x(), handle=handle)   # the general path learns

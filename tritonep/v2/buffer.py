@@ -128,6 +128,9 @@ class ElasticBuffer:
         self.device = self.backend.device
         self._engine = calls.Engine(self.backend, self.rank_idx, num_ranks, self.num_scaleup_ranks, self.buffer_id)
         self._num_sms_cache: dict[tuple, int] = {}
+        # dispatch's num_sms=0: get_theoretical_num_sms at its default rates (which depends on
+        # neither the expert count nor top-k), worked out once for the replays' keys.
+        self._default_num_sms = self._theoretical_num_sms(0, 200, 50)
 
     def __getattr__(self, name: str) -> Any:
         if name in _NOT_BUILT:
@@ -183,7 +186,10 @@ class ElasticBuffer:
             an even count, at least 4, at most the device's SMs.
         """
         model.check_model_arguments(num_experts, num_topk, num_scaleout_topk, self.num_ranks)
-        key = (num_experts, num_topk, nvlink_gbs, sm_read_gbs, sm_write_gbs)
+        return self._theoretical_num_sms(nvlink_gbs, sm_read_gbs, sm_write_gbs)
+
+    def _theoretical_num_sms(self, nvlink_gbs: float, sm_read_gbs: float, sm_write_gbs: float) -> int:
+        key = (nvlink_gbs, sm_read_gbs, sm_write_gbs)
         if key not in self._num_sms_cache:
             device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
                 if self.device.type == "cuda" else None
@@ -241,6 +247,18 @@ class ElasticBuffer:
     def _check_alive(self) -> None:
         require(self.runtime is not None, "this ElasticBuffer was destroyed")
 
+    def _replayable(self, handle: object, num_sms: object, num_qps: object, previous_event: object,
+                    previous_event_before_epilogue: object, async_with_compute_stream: object,
+                    allocate_on_comm_stream: object) -> bool:
+        """What dispatch's and combine's replays ask first (a few reads each): a handle of this
+        live buffer, num_sms and num_qps that the general path would accept, and no stream
+        options (a replay launches on the caller's stream)."""
+        return (type(handle) is EPHandle and handle._state.buffer_id == self.buffer_id and self.runtime is not None
+                and previous_event is None and previous_event_before_epilogue is None
+                and not async_with_compute_stream and not allocate_on_comm_stream
+                and type(num_sms) is int and num_sms >= 0
+                and type(num_qps) is int and 0 <= num_qps <= self.num_allocated_qps)
+
     # ------------------------------------------------------------------ dispatch and combine
     @without_torch_function
     def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], topk_idx: torch.Tensor | None = None,
@@ -295,6 +313,21 @@ class ElasticBuffer:
             handle: an EPHandle (the given one when cached).
             event: an EventOverlap to wait on when ``async_with_compute_stream``.
         """
+        # A cached dispatch repeated as before (every layer's backward): the replay its engine
+        # handle learnt checks x against the call it learnt and launches; anything else takes
+        # the general path below, which checks every argument.
+        if (self._replayable(handle, num_sms, num_qps, previous_event, previous_event_before_epilogue,
+                             async_with_compute_stream, allocate_on_comm_stream)
+                and topk_idx is None and topk_weights is None and cumulative_local_expert_recv_stats is None
+                and _same(num_experts, handle.num_experts) and _same(expert_alignment, handle.expert_alignment)
+                and _same(num_max_tokens_per_rank, handle.num_max_tokens_per_rank) and not do_cpu_sync
+                and do_expand is handle.do_expand and (do_expand or not do_zero_padding)):
+            data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
+            if type(data) is torch.Tensor and (scales is None or type(scales) is torch.Tensor):
+                received = calls.replayed_dispatch(handle, data, scales, num_sms or self._default_num_sms,
+                                                   do_zero_padding, use_tma_aligned_col_major_sf)
+                if received is not None:
+                    return _dispatch_outputs(received, EventOverlap())
         self._check_alive()
         checks.check_stream_args(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         checks.check_sms_and_qps(num_sms, num_qps, self.num_allocated_qps)
@@ -307,7 +340,7 @@ class ElasticBuffer:
                                  self.num_bytes - self.num_cpu_bytes, call.num_max_tokens_per_rank, hidden, num_topk)
         options = calls.Options(
             num_sms=num_sms or self.get_theoretical_num_sms(call.num_experts, num_topk),
-            plain=previous_event is None and not async_with_compute_stream, do_zero_padding=do_zero_padding,
+            do_zero_padding=do_zero_padding,
             do_handle_copy=do_handle_copy, col_major_sf=use_tma_aligned_col_major_sf,
             stats=cumulative_local_expert_recv_stats, before_epilogue=previous_event_before_epilogue)
         inputs = (call.x, call.scales, call.topk_idx, call.topk_weights, cumulative_local_expert_recv_stats)
@@ -315,8 +348,7 @@ class ElasticBuffer:
             run = calls.cached_dispatch if call.handle is not None else calls.fresh_dispatch
             received = run(self._engine, call, options)
             scope.keep(*received.tensors())
-        recv_x = received.x if received.scales is None else (received.x, received.scales)
-        return recv_x, received.topk_idx, received.topk_weights, received.handle, wrap(scope.event)
+        return _dispatch_outputs(received, wrap(scope.event))
 
     @without_torch_function
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
@@ -344,18 +376,40 @@ class ElasticBuffer:
                 (0 where topk_idx is -1), or None without topk_weights.
             event: an EventOverlap to wait on when ``async_with_compute_stream``.
         """
+        # A combine repeated as before (every layer, every step): as in dispatch. The weights
+        # are checked here because they are masked before the replay sees them.
+        if (self._replayable(handle, num_sms, num_qps, previous_event, previous_event_before_epilogue,
+                             async_with_compute_stream, allocate_on_comm_stream)
+                and bias is None and not handle.do_expand and type(x) is torch.Tensor
+                and (topk_weights is None or (type(topk_weights) is torch.Tensor
+                                              and topk_weights.dtype is torch.float32
+                                              and topk_weights.shape == handle._state.other_slots.shape
+                                              and topk_weights.device == x.device))):
+            combined = calls.replayed_combine(handle, x, topk_weights, num_sms or handle.num_sms)
+            if combined is not None:
+                return combined[0], combined[1], EventOverlap()
         self._check_alive()
         checks.check_stream_args(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         checks.check_sms_and_qps(num_sms, num_qps, self.num_allocated_qps)
         call = checks.combine_call(x, handle, topk_weights, bias, self.allow_multiple_reduction, self.buffer_id,
                                    self.device)
-        plain = previous_event is None and not async_with_compute_stream
         with on_comm_stream(self.backend.comm_stream(), previous_event, async_with_compute_stream,
                             (call.x, call.topk_weights, call.bias)) as scope:
-            combined_x, combined_weights = calls.combine(self._engine, call, num_sms or call.handle.num_sms, plain,
+            combined_x, combined_weights = calls.combine(self._engine, call, num_sms or call.handle.num_sms,
                                                          previous_event_before_epilogue)
             scope.keep(combined_x, combined_weights)
         return combined_x, combined_weights, wrap(scope.event)
+
+
+def _same(given: object, cached: int) -> bool:
+    """A cached dispatch's option left out, or given as the handle has it."""
+    return given is None or (type(given) is int and given == cached)
+
+
+def _dispatch_outputs(received: calls.Received, event: EventOverlap) -> tuple:
+    """dispatch's return value: (recv_x, recv_topk_idx, recv_topk_weights, handle, event)."""
+    recv_x = received.x if received.scales is None else (received.x, received.scales)
+    return recv_x, received.topk_idx, received.topk_weights, received.handle, event
 
 
 def _domain_group_size(group: dist.ProcessGroup) -> int:

@@ -45,7 +45,6 @@ class Options:
     """A dispatch's options that do not change the routing."""
 
     num_sms: int
-    plain: bool                        # no events: the calls run on the caller's stream
     do_zero_padding: bool = False
     do_handle_copy: bool = True
     col_major_sf: bool = False
@@ -135,7 +134,7 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
     if options.stats is not None:
         options.stats.add_(counts)
     per_source = layout.rows_from_rank(engine_handle, engine.rank)
-    state = HandleState(engine.buffer_id, engine_handle, recv_idx, slots, rows, call.x.shape[1])
+    state = HandleState(engine.buffer_id, engine_handle, recv_idx, recv_idx < 0, slots, rows, call.x.shape[1])
     handle = EPHandle(
         do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=call.expert_alignment,
         num_max_tokens_per_rank=T, num_sms=options.num_sms,
@@ -151,6 +150,20 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
                     recv_weights if call.topk_weights is not None else None, handle)
 
 
+def replayed_dispatch(handle: EPHandle, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int,
+                      do_zero_padding: bool, col_major_sf: bool) -> Received | None:
+    """A cached dispatch without top-k weights, on the caller's stream, through the replay its
+    engine handle learnt; None when there is none yet or ``x`` does not fit it (the general path
+    then checks everything)."""
+    state = handle._state
+    replay = state.engine_handle.replays.get((_CACHED_DISPATCH, num_sms, scales is None))
+    replayed = replay(x, scales) if replay is not None else None
+    if replayed is None:
+        return None
+    recv_x, recv_scales = replayed if scales is not None else (replayed, None)
+    return _cached_outputs(handle, recv_x, recv_scales, None, handle.do_expand, do_zero_padding, col_major_sf)
+
+
 def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
     """A dispatch with a handle: the same rows to the same places, no count exchange."""
     handle = call.handle
@@ -159,19 +172,13 @@ def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rec
     engine_handle = state.engine_handle
     recv_weights = None
     if call.topk_weights is None:
-        key = (_CACHED_DISPATCH, options.num_sms, call.scales is None)
-        replay = engine_handle.replays.get(key) if options.plain else None
-        replayed = replay(call.x, call.scales) if replay is not None else None
-        if replayed is not None:
-            recv_x, recv_scales = replayed if isinstance(replayed, tuple) else (replayed, None)
-        else:
-            result = engine.backend.dispatch(DispatchRequest(
-                x=call.x, x_scales=call.scales, topk_idx=None, topk_weights=None,
-                is_token_in_rank=engine_handle.is_token_in_rank, num_tokens_per_rank=None, num_tokens_per_expert=None,
-                num_experts=0, expert_alignment=call.expert_alignment, num_worst_tokens=0,
-                cached_handle=engine_handle, config=Config(num_sms=options.num_sms)))
-            engine_handle.replays.learn(key, result.replay)
-            recv_x, recv_scales = result.recv_x, result.recv_x_scales
+        result = engine.backend.dispatch(DispatchRequest(
+            x=call.x, x_scales=call.scales, topk_idx=None, topk_weights=None,
+            is_token_in_rank=engine_handle.is_token_in_rank, num_tokens_per_rank=None, num_tokens_per_expert=None,
+            num_experts=0, expert_alignment=call.expert_alignment, num_worst_tokens=0,
+            cached_handle=engine_handle, config=Config(num_sms=options.num_sms)))
+        engine_handle.replays.learn((_CACHED_DISPATCH, options.num_sms, call.scales is None), result.replay)
+        recv_x, recv_scales = result.recv_x, result.recv_x_scales
     else:
         # The rows come in the same order as the handle's (the engines' order is fixed by the
         # routing); padded to the worst case, so that no count is read back, then cut to the
@@ -184,21 +191,49 @@ def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rec
         assert result.recv_topk_weights is not None
         recv_weights = result.recv_topk_weights[:state.rows]
     wait_for(options.before_epilogue)
+    return _cached_outputs(handle, recv_x, recv_scales, recv_weights, call.do_expand, options.do_zero_padding,
+                           options.col_major_sf)
+
+
+def _cached_outputs(handle: EPHandle, recv_x: torch.Tensor, recv_scales: torch.Tensor | None,
+                    recv_weights: torch.Tensor | None, do_expand: bool, do_zero_padding: bool,
+                    col_major_sf: bool) -> Received:
+    """A cached dispatch's outputs from the engine's rows: expanded by the handle's slots, or
+    with a copy of the handle's local expert ids."""
+    state = handle._state
     recv_idx = None
-    if call.do_expand:
+    if do_expand:
         assert state.slots is not None
         rows = handle.num_expanded_tokens
-        recv_x = expand.expand_rows(recv_x, state.slots, rows, options.do_zero_padding)
+        recv_x = expand.expand_rows(recv_x, state.slots, rows, do_zero_padding)
         if recv_scales is not None:
-            recv_scales = expand.expand_rows(recv_scales, state.slots, rows, options.do_zero_padding)
+            recv_scales = expand.expand_rows(recv_scales, state.slots, rows, do_zero_padding)
         if recv_weights is not None:
             recv_weights = expand.expand_weights(recv_weights, state.slots, rows)
     else:
         recv_idx = state.recv_topk_idx.clone()
-    return Received(recv_x, _col_major(recv_scales, options.col_major_sf), recv_idx, recv_weights, handle)
+    return Received(recv_x, _col_major(recv_scales, col_major_sf), recv_idx, recv_weights, handle)
 
 
-def combine(engine: Engine, call: CombineCall, num_sms: int, plain: bool,
+def replayed_combine(handle: EPHandle, x: torch.Tensor, topk_weights: torch.Tensor | None,
+                     num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A combine of a non-expanded handle without bias, on the caller's stream, through the
+    replay its engine handle learnt: (combined_x, combined_topk_weights), or None as in
+    ``replayed_dispatch``. ``topk_weights``: float32, the shape of the handle's ids, on x's device."""
+    state = handle._state
+    replay = state.engine_handle.replays.get((_COMBINE, num_sms, topk_weights is None))
+    if replay is None:
+        return None
+    return replay(x, None if topk_weights is None else own_slots_only(state, topk_weights))
+
+
+def own_slots_only(state: HandleState, weights: torch.Tensor) -> torch.Tensor:
+    """V2 gives each slot k the weight from the rank of k's expert; the engine sums a token's
+    rows over ranks, so every other rank's column k must add 0."""
+    return weights.masked_fill(state.other_slots, 0.0)
+
+
+def combine(engine: Engine, call: CombineCall, num_sms: int,
             before_epilogue: EventOverlap | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Expert outputs back to their tokens: (combined_x, combined_topk_weights)."""
     handle = call.handle
@@ -213,17 +248,10 @@ def combine(engine: Engine, call: CombineCall, num_sms: int, plain: bool,
     else:
         rows = call.x
         if weights is not None:
-            # V2 gives each slot k the weight from the rank of k's expert; the engine sums a
-            # token's rows over ranks, so every other rank's column k must add 0.
-            weights = torch.where(state.recv_topk_idx >= 0, weights, 0.0)
+            weights = own_slots_only(state, weights)
     no_bias = call.bias[0] is None and call.bias[1] is None
-    key = (_COMBINE, num_sms, weights is None)
-    replay = state.engine_handle.replays.get(key) if plain and no_bias else None
-    replayed = replay(rows, weights) if replay is not None else None
-    if replayed is not None:
-        return replayed[0], replayed[1]
     result = engine.backend.combine(CombineRequest(rows, state.engine_handle, weights, call.bias,
                                                    Config(num_sms=num_sms)))
     if no_bias:
-        state.engine_handle.replays.learn(key, result.replay)
+        state.engine_handle.replays.learn((_COMBINE, num_sms, weights is None), result.replay)
     return result.combined_x, result.combined_topk_weights

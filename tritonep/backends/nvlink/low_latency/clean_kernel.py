@@ -10,19 +10,20 @@ The barrier words lie past ``CLEAN_END`` and survive the cleaning.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.low_latency import regions as layout
 from tritonep.device.signals import barrier_unmasked, load_rank_mask
 from tritonep.device.status_codes import PHASE_LL_CLEAN
+from tritonep.runtime import kernel_names
 
 CLEAN_END = tl.constexpr(layout.CLEAN_END)
 BARRIER = tl.constexpr(layout.BARRIER)
 BARRIER_SENT = tl.constexpr(layout.BARRIER_SENT)
 
 
-@triton.jit(do_not_specialize=["area", "rank", "status_address", "timeout_ns"])
+@kernel_names.jit("tritonep::low_latency::clean_buffer",
+                  do_not_specialize=["area", "rank", "status_address", "timeout_ns"])
 def low_latency_clean_kernel(peer_base_ptrs, mask_ptr, area, rank, status_address, timeout_ns,
                              NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, HAS_MASK: tl.constexpr,
                              BLOCK: tl.constexpr, GPU: tl.constexpr):

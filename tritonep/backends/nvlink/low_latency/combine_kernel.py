@@ -26,7 +26,6 @@ experts p, p+P, ...), adding the nanoseconds to the expert's rank in ``wait_stat
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.low_latency import regions as layout
@@ -34,15 +33,17 @@ from tritonep.backends.nvlink.low_latency.control_words import COMBINE, MAX_EXPE
 from tritonep.device import signals
 from tritonep.device.rows import copy_rows
 from tritonep.device.status_codes import PHASE_LL_COMBINE_DATA, PHASE_LL_COMBINE_SLOT
+from tritonep.runtime import kernel_names
 
 SEQUENCE_SENT, SEQUENCE_RECEIVED, DONE_SEND, DONE_RECEIVE, SENT_USE = call_words(COMBINE)
 FREED = tl.constexpr(layout.COMBINE_FREED)
 FLAGS = tl.constexpr(layout.COMBINE_FLAGS)
 
 
-@triton.jit(do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area",
-                               "combine_offset", "slot_bytes", "rank", "timeout_ns", "num_max_tokens",
-                               "experts_per_rank", "status_address"])
+@kernel_names.jit("tritonep::low_latency::combine",
+                  do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area",
+                                     "combine_offset", "slot_bytes", "rank", "timeout_ns", "num_max_tokens",
+                                     "experts_per_rank", "status_address"])
 def low_latency_combine_kernel(
     x_ptr, expert_stride, row_stride, src_info_ptr, topk_slot_ptr, layout_range_ptr,
     topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, out_row_stride, wait_stats_ptr,

@@ -49,6 +49,7 @@ from tritonep.device import signals
 from tritonep.device.fp8_tiles import cast_row, pack_bytes
 from tritonep.device.rows import copy_rows
 from tritonep.device.status_codes import PHASE_LL_DISPATCH_DATA, PHASE_LL_DISPATCH_SLOT
+from tritonep.runtime import kernel_names
 
 SEQUENCE_SENT, SEQUENCE_RECEIVED, DONE_SEND, DONE_RECEIVE, SENT_USE = call_words(DISPATCH)
 FREED = tl.constexpr(layout.DISPATCH_FREED)
@@ -169,8 +170,9 @@ def _store_scales(bits, row_ok, out_scales_ptr, out_rows, slots_per_expert, USE_
 
 
 # x_row_stride stays specialised: a stride divisible by 16 lets the row loads be 16 bytes wide.
-@triton.jit(do_not_specialize=["num_tokens", "area", "slot", "slot_bytes", "rank", "timeout_ns",
-                               "num_max_tokens", "experts_per_rank", "status_address"])
+@kernel_names.jit("tritonep::low_latency::dispatch",
+                  do_not_specialize=["num_tokens", "area", "slot", "slot_bytes", "rank", "timeout_ns",
+                                     "num_max_tokens", "experts_per_rank", "status_address"])
 def low_latency_dispatch_kernel(
     x_ptr, x_row_stride, topk_idx_ptr, num_tokens,
     out_x_ptr, out_scales_ptr, out_src_info_ptr, out_topk_slot_ptr, out_layout_range_ptr, out_count_ptr,

@@ -47,18 +47,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.memory import MAX_CHANNELS, SymmetricBuffer
 from tritonep.device.rows import block_count, block_start
 from tritonep.device.signals import fence_system, publish
+from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher, current_stream
 from tritonep.runtime.platform import GPU_KERNELS
 from tritonep.runtime.side_streams import PeerStreams
 
 
-@triton.jit(do_not_specialize=["peer", "tail_index", "value"])
+@kernel_names.jit("tritonep::intranode::piece_signal",
+                  do_not_specialize=["peer", "tail_index", "value"])
 def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
     """After a piece's rows were copied (stream order): publish it in the peer's tail word."""
     peer_base = tl.load(peer_base_ptrs + peer)
@@ -69,7 +70,8 @@ def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
 _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_index", "value"))
 
 
-@triton.jit(do_not_specialize=["rank"])
+@kernel_names.jit("tritonep::intranode::send_weights",
+                  do_not_specialize=["rank"])
 def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weights, rank,
                            NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
                            GPU: tl.constexpr):

@@ -31,6 +31,7 @@ import triton.language as tl
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
 from tritonep.device.signals import add_release, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT
+from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher
 
 
@@ -43,7 +44,8 @@ def _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS: tl.constexpr):
     return end - begin
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "num_tokens", "capacity", "timeout_ns"])
+@kernel_names.jit("tritonep::intranode::combine",
+                  do_not_specialize=["rank", "epoch", "released_target", "num_tokens", "capacity", "timeout_ns"])
 def combine_kernel(
     # Inputs: the rows to return (bf16, and the same memory as 4-byte words), their top-k weights
     # and the biases (x where absent: never read).

@@ -33,6 +33,7 @@ import triton.language as tl
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
 from tritonep.device.signals import add_release, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT
+from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher
 
 
@@ -103,8 +104,9 @@ def _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NU
     return go
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows", "guard_word",
-                               "capacity", "timeout_ns", "scale_words", "token_list_stride"])
+@kernel_names.jit("tritonep::intranode::dispatch",
+                  do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows",
+                                     "guard_word", "capacity", "timeout_ns", "scale_words", "token_list_stride"])
 def dispatch_kernel(
     # Inputs: the rows as 4-byte words, their scales (any strides; x where absent), the top-k ids
     # and weights (x where absent), and the experts per rank that turn ids into local ones.

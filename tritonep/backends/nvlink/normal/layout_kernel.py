@@ -11,10 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher
 
 
-@triton.jit
+@kernel_names.jit("tritonep::intranode::layout")
 def dispatch_layout_kernel(
     topk_idx_ptr, num_tokens, num_tokens_per_rank_ptr, num_tokens_per_expert_ptr, is_token_in_rank_ptr,
     invalid_ids_ptr, num_experts, experts_per_rank,

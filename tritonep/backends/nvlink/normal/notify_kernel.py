@@ -24,6 +24,7 @@ import triton.language as tl
 from tritonep.backends.nvlink.memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
 from tritonep.device.signals import fence_system, publish, store_relaxed, wait_at_least
 from tritonep.device.status_codes import PHASE_NOTIFY
+from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher, next_power_of_2
 from tritonep.runtime.platform import GPU_KERNELS
 
@@ -32,8 +33,9 @@ MAILBOX_HEADER = 1
 _HEADER = tl.constexpr(MAILBOX_HEADER)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "notify_epoch", "rank", "experts_per_rank", "timeout_ns", "hidden_words",
-                               "scale_words", "num_topk", "num_experts"])
+@kernel_names.jit("tritonep::intranode::notify_counts",
+                  do_not_specialize=["num_tokens", "notify_epoch", "rank", "experts_per_rank", "timeout_ns",
+                                     "hidden_words", "scale_words", "num_topk", "num_experts"])
 def notify_dispatch_kernel(
     is_token_in_rank_ptr, num_tokens, num_tokens_per_expert_ptr, hidden_words, scale_words, num_topk, num_experts,
     invalid_ids_ptr,

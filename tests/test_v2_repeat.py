@@ -1,0 +1,234 @@
+"""ElasticBuffer's repeated calls (a cached dispatch, a combine) take the replays their engine
+handle learnt, launch exactly what V2's general path launches, and add no torch work to V1's
+repeated calls beyond what V2 returns on top (a copy of the received ids; the weights masked to
+V2's meaning).
+
+As in tests/test_normal_repeat.py: a real fresh dispatch on the interpreter makes the handles,
+then the kernels are replaced by stand-ins that record their launches (tests/recorded_launches.py).
+Each call runs twice from the same engine counters, through ElasticBuffer's replay and through
+its general path (the engine handle's replay table emptied); launches, result shapes and counters
+must be equal. The torch ops a call runs are counted with a dispatch mode, V2's against V1's
+call of the same shape: the host time V2's front end adds is the benchmark's
+(``python -m benchmarks --api v2``), this is the part of it that does not depend on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from recorded_launches import RecordedLaunch, named_launches, normal_launches_recorded, result_shapes
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tritonep as deep_ep
+from tritonep.core.replay import ReplayTable
+from tritonep.v2 import calls
+
+TOKENS, HIDDEN, EXPERTS, TOPK, NUM_SMS, CALLS = 12, 256, 8, 3, 4, 3
+DISPATCH_COUNTERS, COMBINE_COUNTERS = ("dispatch_epoch", "dispatch_released"), ("combine_epoch", "combine_released")
+
+
+class TorchOps(TorchDispatchMode):
+    """Counts the torch ops run inside (by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def torch_ops(call: Callable[[], object]) -> Counter[str]:
+    with TorchOps() as counter:
+        call()
+    return counter.ops
+
+
+def _buffers(group: dist.ProcessGroup) -> tuple[deep_ep.Buffer, deep_ep.ElasticBuffer]:
+    os.environ["TRITONEP_BACKEND"] = "nvlink"
+    try:
+        v1 = deep_ep.Buffer(group, num_nvl_bytes=deep_ep.nvl_bytes_for(TOKENS, HIDDEN, group.size()),
+                            explicitly_destroy=True)
+        v2 = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=TOKENS, hidden=HIDDEN, num_topk=TOPK,
+                                   explicitly_destroy=True)
+    finally:
+        os.environ.pop("TRITONEP_BACKEND")
+    return v1, v2
+
+
+def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
+    from nvlink_cases import count_replays
+
+    generator = torch.Generator().manual_seed(group.rank())
+
+    def bf16(tokens: int = TOKENS, hidden: int = HIDDEN) -> torch.Tensor:
+        return torch.randn(tokens, hidden, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+
+    v1, v2 = _buffers(group)
+    state = v2.backend.normal.state
+    topk_idx = torch.rand(TOKENS, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
+    weights = torch.rand(TOKENS, TOPK, generator=generator, dtype=torch.float32)
+    per_rank, _, per_expert, in_rank, _ = v1.get_dispatch_layout(topk_idx, EXPERTS)
+    recv_x1, _, recv_weights1, _, handle1, _ = v1.dispatch(
+        bf16(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=weights, config=deep_ep.Config(NUM_SMS))
+    recv_x, _, recv_weights, handle, _ = v2.dispatch(bf16(), topk_idx=topk_idx, topk_weights=weights,
+                                                     num_experts=EXPERTS, num_sms=NUM_SMS)
+    rows = recv_x.shape[0]
+    engine_handle = handle._state.engine_handle
+    problems: list[str] = []
+
+    masked: list[torch.Tensor] = []   # the weights each combine hands the engine, named like outputs
+    own_slots_only = calls.own_slots_only
+
+    def remembered(*args: object) -> torch.Tensor:
+        masked.append(own_slots_only(*args))
+        return masked[-1]
+
+    def both_paths(call: Callable[[], tuple], counters: tuple[str, str], what: str) -> None:
+        """``call`` through its replay, then through the general path, from the same counters."""
+        before = tuple(getattr(state, counter) for counter in counters)
+        learnt, runs = engine_handle.replays, []
+        for through_replay in (True, False):
+            for counter, value in zip(counters, before):
+                setattr(state, counter, value)
+            engine_handle.replays = learnt if through_replay else ReplayTable()
+            RecordedLaunch.log, masked[:] = [], []
+            calls.own_slots_only = remembered
+            try:
+                result = call()
+            finally:
+                calls.own_slots_only = own_slots_only
+            outputs = tuple(item for item in result if not isinstance(item, deep_ep.EPHandle))[:3]
+            runs.append((named_launches(RecordedLaunch.log, outputs + tuple(masked)), result_shapes(outputs),
+                         tuple(getattr(state, counter) for counter in counters)))
+        engine_handle.replays = learnt
+        if runs[0] != runs[1]:
+            problems.append(f"{what}: replay {runs[0]} != general {runs[1]}")
+
+    def expect_error(call: Callable[[], object], words: str) -> None:
+        try:
+            call()
+            problems.append(f"no error (expected one about {words})")
+        except deep_ep.InputError as raised:
+            if words not in str(raised):
+                problems.append(f"unexpected error: {raised}")
+
+    def fp8() -> tuple[torch.Tensor, torch.Tensor]:
+        return deep_ep.utils.per_token_cast_to_fp8(bf16())
+
+    try:
+        with normal_launches_recorded(), count_replays() as taken:
+            for make_x in (bf16, fp8):
+                v2.dispatch(make_x(), handle=handle, num_sms=NUM_SMS)   # the general path learns
+                for _ in range(CALLS):
+                    both_paths(functools.partial(v2.dispatch, make_x(), handle=handle, num_sms=NUM_SMS),
+                               DISPATCH_COUNTERS, "cached dispatch")
+            # The cached dispatch's options given as the handle has them are still a repeat.
+            both_paths(functools.partial(v2.dispatch, bf16(), handle=handle, num_sms=NUM_SMS, num_experts=EXPERTS,
+                                         expert_alignment=1, num_max_tokens_per_rank=TOKENS, do_cpu_sync=False),
+                       DISPATCH_COUNTERS, "cached dispatch, options as in the handle")
+            for topk_weights in (recv_weights, None):   # combine's num_sms: the handle's
+                v2.combine(bf16(rows), handle, topk_weights)
+                for _ in range(CALLS):
+                    both_paths(functools.partial(v2.combine, bf16(rows), handle, topk_weights), COMBINE_COUNTERS,
+                               "combine")
+            wanted = {"cached_dispatch": 2 * CALLS + 1, "combine": 2 * CALLS, "low_latency": 0}
+            if taken != wanted:
+                problems.append(f"replays served {taken}, expected {wanted}")
+            # Wrong inputs: the replays decline or are not asked, the general path raises.
+            expect_error(lambda: v2.dispatch(bf16(hidden=2 * HIDDEN)[:, :HIDDEN], handle=handle, num_sms=NUM_SMS),
+                         "contiguous")
+            expect_error(lambda: v2.dispatch(bf16(tokens=TOKENS + 1), handle=handle, num_sms=NUM_SMS), "tokens")
+            expect_error(lambda: v2.dispatch(bf16(), handle=handle, num_experts=2 * EXPERTS), "num_experts")
+            expect_error(lambda: v2.dispatch(bf16(), handle=handle, do_cpu_sync=True), "CPU sync")
+            expect_error(lambda: v2.dispatch(bf16(), handle=handle, num_qps=v2.num_allocated_qps + 1), "num_qps")
+            expect_error(lambda: v2.combine(bf16(rows + 1), handle), "shape")
+            expect_error(lambda: v2.combine(bf16(rows), handle, recv_weights.double()), "dtype")
+            expect_error(lambda: v2.combine(bf16(rows), handle, recv_weights[:, :1]), "shape")
+            if taken != wanted:
+                problems.append(f"bad calls were served by replays: {taken}, expected {wanted}")
+            # The torch work V2's repeats add to V1's: a copy of the received ids (V2 returns
+            # them from every dispatch), the weights masked to the slots of this rank's experts.
+            config = deep_ep.Config(NUM_SMS)
+            x, y, y1 = bf16(), bf16(rows), bf16(recv_x1.shape[0])
+            v1_calls = {"cached dispatch": lambda: v1.dispatch(x, handle=handle1, config=config),
+                        "combine": lambda: v1.combine(y1, handle1, config=config),
+                        "combine, weights": lambda: v1.combine(y1, handle1, recv_weights1, config=config)}
+            for call in v1_calls.values():   # the general path learns
+                call()
+            v1_ops = {what: torch_ops(call) for what, call in v1_calls.items()}
+            v2_ops = {"cached dispatch": torch_ops(lambda: v2.dispatch(x, handle=handle, num_sms=NUM_SMS)),
+                      "combine": torch_ops(lambda: v2.combine(y, handle)),
+                      "combine, weights": torch_ops(lambda: v2.combine(y, handle, recv_weights))}
+            added = {"cached dispatch": Counter({"aten.clone": 1}), "combine": Counter(),
+                     "combine, weights": Counter({"aten.masked_fill": 1})}
+            for what, expected in added.items():
+                got = v2_ops[what] - v1_ops[what]
+                if got != expected:
+                    problems.append(f"{what}: V2 runs {dict(got)} more torch ops than V1, expected {dict(expected)}")
+    finally:
+        v1.destroy()
+        v2.destroy()
+    return problems
+
+
+def test_repeats_take_the_replays_and_launch_what_the_general_path_launches(interpreter_pools) -> None:
+    for num_ranks in (1, 2):
+        problems = interpreter_pools(num_ranks).run(replays_match_general_path)
+        assert problems == [[]] * num_ranks
+
+
+def gpu_repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
+    """On GPUs, with the real kernels: repeated V2 calls are served by replays and give exactly
+    what the general path gives for the same inputs."""
+    from nvlink_cases import count_replays
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cpu = dict(generator=torch.Generator().manual_seed(group.rank()), dtype=torch.float32, device="cpu")
+    tokens, hidden, experts = 64, 512, 4 * group.size()
+
+    def bf16(rows: int) -> torch.Tensor:
+        return torch.randn(rows, hidden, **cpu).to(torch.bfloat16).to(device)
+
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=tokens, hidden=hidden, num_topk=TOPK,
+                                   explicitly_destroy=True)
+    topk_idx = torch.rand(tokens, experts, **cpu).topk(TOPK, dim=1).indices.to(device)
+    weights = torch.rand(tokens, TOPK, **cpu).to(device)
+    recv_x, _, recv_weights, handle, _ = buffer.dispatch(bf16(tokens), topk_idx=topk_idx, topk_weights=weights,
+                                                         num_experts=experts, num_sms=NUM_SMS)
+    engine_handle = handle._state.engine_handle
+    x, y = bf16(tokens), bf16(recv_x.shape[0])
+    calls_by_kind = {"cached_dispatch": lambda: buffer.dispatch(x, handle=handle, num_sms=NUM_SMS)[:2],
+                     "combine": lambda: buffer.combine(y, handle, recv_weights)[:2]}
+    problems = []
+    try:
+        for kind, call in calls_by_kind.items():
+            general = call()   # learns
+            learnt = engine_handle.replays
+            with count_replays() as taken:
+                engine_handle.replays = ReplayTable()
+                general = call()   # learns again, now counted
+                repeats = [call() for _ in range(CALLS)]
+            engine_handle.replays = learnt
+            torch.cuda.synchronize()
+            if taken[kind] != CALLS:
+                problems.append(f"{kind}: replays served {taken[kind]} of {CALLS} repeats")
+            for index, repeat in enumerate(repeats):
+                if not all(torch.equal(a, b) for a, b in zip(general, repeat)):
+                    problems.append(f"{kind}: repeat {index} differs from the general path's result")
+    finally:
+        buffer.destroy()
+    return problems
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_repeats_take_the_replays(gpu_pool) -> None:
+    assert gpu_pool.run(gpu_repeats_match_general_path) == [[]] * gpu_pool.num_ranks
