@@ -90,10 +90,11 @@ def print_normal(report: dict) -> None:
                 print(f"{who}num_sms={n:<4} cached dispatch {gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} "
                       f"GB/s  combine {gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s")
     for m in report.get("shape_sweep", []):
+        fp8 = f"  fp8 {m['cached_dispatch_fp8_us']:6.1f} us" if "cached_dispatch_fp8_us" in m else ""
         print(f"{str(m['change']):<55} cached dispatch {gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  "
               f"combine {gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s  back to back: "
               f"{gbps(m['recv_bytes'], m['cached_dispatch_pipelined_us']):7.1f} / "
-              f"{gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s")
+              f"{gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s{fp8}")
 
 
 # Low-latency rows per call, GPU-only figures first: (label, key suffix).
