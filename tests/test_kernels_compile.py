@@ -85,7 +85,8 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool) 
              capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64,
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12, SEND=send,
-             HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, ROWS=8, BLOCK=2048, SIGNAL_EVERY=4),
+             HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8, BLOCK=2048,
+             SIGNAL_EVERY=4),
         num_warps=16)
     # The waits use acquire loads and the timer: check the inline PTX made it into the kernel.
     assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]
@@ -121,7 +122,7 @@ def test_combine_weights_kernel_compiles(num_ranks: int) -> None:
     compile_for_hopper(
         combine_weights_kernel,
         dict(weights_ptr=F32, prefix_ptr=I32, peer_base_ptrs=I64, staging_weights=(1 << 30) + (1 << 27), rank=1),
-        dict(NUM_RANKS=num_ranks, NUM_TOPK=8, BLOCK=1024))
+        dict(NUM_RANKS=num_ranks, NUM_TOPK=8, SPLIT=8, BLOCK=512))
 
 
 # The low-latency kernels in each mode: fused (one launch), send half, receive half.

@@ -38,8 +38,9 @@ from tritonep.runtime.launcher import FastLauncher
 
 
 @triton.jit
-def _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx_ptr, dst_weights_ptr, dst_rows, row_mask,
-               destination, experts_per_rank, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
+def _load_topk(topk_idx_ptr, topk_weights_ptr, tokens, row_mask, destination, experts_per_rank,
+               NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
+    """The tile's top-k ids as ``destination``'s local expert ids (-1 elsewhere, weight 0)."""
     slots = tl.arange(0, TOPK_PAD)
     mask = row_mask[:, None] & (slots < NUM_TOPK)[None, :]
     src = tokens.to(tl.int64)[:, None] * NUM_TOPK + slots[None, :]
@@ -47,17 +48,23 @@ def _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx_ptr, dst_weights_
     weights = tl.load(topk_weights_ptr + src, mask=mask, other=0.0)
     local = experts - destination * experts_per_rank
     here = (experts >= 0) & (local >= 0) & (local < experts_per_rank)
-    dst = dst_rows.to(tl.int64)[:, None] * NUM_TOPK + slots[None, :]
-    tl.store(dst_idx_ptr + dst, tl.where(here, local, -1), mask=mask)
-    tl.store(dst_weights_ptr + dst, tl.where(here, weights, 0.0), mask=mask)
+    return tl.where(here, local, -1), tl.where(here, weights, 0.0)
+
+
+@triton.jit
+def _store_fields(values, dst_ptr, dst_rows, row_mask, width, PAD: tl.constexpr):
+    """dst[dst_rows[i], :width] = values[i, :width] (rows of ``width`` elements, ``PAD`` >= width)."""
+    cols = tl.arange(0, PAD)
+    mask = row_mask[:, None] & (cols < width)[None, :]
+    tl.store(dst_ptr + dst_rows.to(tl.int64)[:, None] * width + cols[None, :], values, mask=mask)
 
 
 @triton.jit
 def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
                topk_weights_ptr, send_list, lo, hi, start, row_limit, destination, experts_per_rank, dst_x, dst_scales,
                dst_idx, dst_weights, dst_src, tail, stamp, PUBLISH: tl.constexpr, HAS_SCALES: tl.constexpr,
-               HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS: tl.constexpr,
-               BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr):
+               HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr):
     """Rows [lo, hi) of a send list, gathered from ``x`` into rows ``start + lo ...`` of the
     destination arrays (a peer's staging, or our own outputs); with ``PUBLISH`` the progress
     goes to ``tail`` every ``SIGNAL_EVERY`` tiles and at the end."""
@@ -70,13 +77,22 @@ def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scal
         mask = (rows < hi) & (dst_rows < row_limit)
         tokens = next_tokens
         next_tokens = tl.load(send_list + rows + ROWS, mask=rows + ROWS < hi, other=0)
+        # The small fields are loaded before the row moves and stored after it: their load
+        # latency hides behind the row's instead of adding to it, tile after tile.
+        if HAS_SCALES:
+            scale_cols = tl.arange(0, SCALE_PAD)
+            scales = tl.load(scales_ptr + tokens.to(tl.int64)[:, None] * scale_token_stride
+                             + scale_cols[None, :] * scale_col_stride,
+                             mask=mask[:, None] & (scale_cols < scale_words)[None, :])
+        if HAS_TOPK:
+            experts, weights = _load_topk(topk_idx_ptr, topk_weights_ptr, tokens, mask, destination,
+                                          experts_per_rank, NUM_TOPK, TOPK_PAD)
         copy_rows(x_ptr, tokens, x_words, 1, dst_x, dst_rows, mask, x_words, BLOCK, False)
         if HAS_SCALES:
-            copy_rows(scales_ptr, tokens, scale_token_stride, scale_col_stride, dst_scales, dst_rows, mask,
-                      scale_words, 64, False)
+            _store_fields(scales, dst_scales, dst_rows, mask, scale_words, SCALE_PAD)
         if HAS_TOPK:
-            _send_topk(topk_idx_ptr, topk_weights_ptr, tokens, dst_idx, dst_weights, dst_rows, mask,
-                       destination, experts_per_rank, NUM_TOPK, TOPK_PAD)
+            _store_fields(experts, dst_idx, dst_rows, mask, NUM_TOPK, TOPK_PAD)
+            _store_fields(weights, dst_weights, dst_rows, mask, NUM_TOPK, TOPK_PAD)
         tl.store(dst_src + dst_rows, tokens, mask=mask)
         tiles += 1
         if PUBLISH & (tiles % SIGNAL_EVERY == 0):
@@ -128,7 +144,7 @@ def dispatch_kernel(
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr, SEND: tl.constexpr,
     HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
+    SCALE_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
 ):
     """One launch of ``NUM_SENDERS`` programs (``SEND``) or of ``NUM_RECEIVERS`` (not ``SEND``)."""
     pid = tl.program_id(0)
@@ -154,7 +170,7 @@ def dispatch_kernel(
                        (peer_base + staging_weights).to(tl.pointer_type(tl.float32)),
                        (peer_base + staging_src).to(tl.pointer_type(tl.int32)),
                        peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid, stamp,
-                       True, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, ROWS, BLOCK, SIGNAL_EVERY)
+                       True, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK, SIGNAL_EVERY)
     elif _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NUM_RANKS):
         # Our own rows first (no wait: straight from x into the outputs), then the arrived rows.
         start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
@@ -162,7 +178,8 @@ def dispatch_kernel(
         _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
                    topk_weights_ptr, token_list_ptr + rank * token_list_stride, lo, hi, start, num_out_rows, rank,
                    experts_per_rank, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
-                   my_signals, stamp, False, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, ROWS, BLOCK, SIGNAL_EVERY)
+                   my_signals, stamp, False, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK,
+                   SIGNAL_EVERY)
         for channel in range(pid, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
             source = (rank + 1 + channel // NUM_SENDERS) % NUM_RANKS
             sender = channel % NUM_SENDERS
@@ -189,7 +206,7 @@ def dispatch_kernel(
                     _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights,
                                             staging_src, rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr,
                                             out_weights_ptr, out_src_ptr, x_words, scale_words,
-                                            HAS_SCALES, HAS_TOPK, NUM_TOPK, BLOCK)
+                                            HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, BLOCK)
                 done = arrived
         # Our reads of staging are done: let every source reuse it in its next call.
         for step in range(0, NUM_RANKS - 1):
@@ -199,22 +216,37 @@ def dispatch_kernel(
 
 
 @triton.jit
+def _load_staged_fields(region, rows, mask, width, PAD: tl.constexpr):
+    """Rows ``rows`` of a staging region of ``width``-element rows (through L2: a peer wrote them)."""
+    cols = tl.arange(0, PAD)
+    return tl.load(region + rows.to(tl.int64)[:, None] * width + cols[None, :],
+                   mask=mask[:, None] & (cols < width)[None, :], cache_modifier=".cg")
+
+
+@triton.jit
 def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights, staging_src,
                             rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
                             x_words, scale_words, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-                            NUM_TOPK: tl.constexpr, BLOCK: tl.constexpr):
+                            NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr,
+                            BLOCK: tl.constexpr):
     base = my_signals.to(tl.int64)
+    # As in ``_send_rows``: the small fields' loads go out before the row moves.
+    if HAS_SCALES:
+        scales = _load_staged_fields((base + staging_scales).to(tl.pointer_type(tl.int32)), rows, mask,
+                                     scale_words, SCALE_PAD)
+    if HAS_TOPK:
+        experts = _load_staged_fields((base + staging_idx).to(tl.pointer_type(tl.int64)), rows, mask,
+                                      NUM_TOPK, TOPK_PAD)
+        weights = _load_staged_fields((base + staging_weights).to(tl.pointer_type(tl.float32)), rows, mask,
+                                      NUM_TOPK, TOPK_PAD)
+    src = tl.load((base + staging_src).to(tl.pointer_type(tl.int32)) + rows, mask=mask, cache_modifier=".cg")
     copy_rows(tl.multiple_of((base + staging_x).to(tl.pointer_type(tl.int32)), 16), rows, x_words, 1, out_x_ptr,
               rows, mask, x_words, BLOCK, True)
     if HAS_SCALES:
-        copy_rows((base + staging_scales).to(tl.pointer_type(tl.int32)), rows, scale_words, 1, out_scales_ptr,
-                  rows, mask, scale_words, 64, True)
+        _store_fields(scales, out_scales_ptr, rows, mask, scale_words, SCALE_PAD)
     if HAS_TOPK:
-        copy_rows((base + staging_idx).to(tl.pointer_type(tl.int64)), rows, NUM_TOPK, 1, out_idx_ptr, rows,
-                  mask, NUM_TOPK, 16, True)
-        copy_rows((base + staging_weights).to(tl.pointer_type(tl.float32)), rows, NUM_TOPK, 1, out_weights_ptr,
-                  rows, mask, NUM_TOPK, 16, True)
-    src = tl.load((base + staging_src).to(tl.pointer_type(tl.int32)) + rows, mask=mask, cache_modifier=".cg")
+        _store_fields(experts, out_idx_ptr, rows, mask, NUM_TOPK, TOPK_PAD)
+        _store_fields(weights, out_weights_ptr, rows, mask, NUM_TOPK, TOPK_PAD)
     tl.store(out_src_ptr + rows, src, mask=mask)
 
 
