@@ -163,7 +163,7 @@ def profiled_names(group: dist.ProcessGroup) -> list[str]:
             for name in ("dispatch", "combine"):
                 problems += findable(rows, events, name, NAMESPACES["low_latency"], 2 if hook else 1, CALLS,
                                      f"low-latency {name}{', hook mode' if hook else ''}")
-        rows, _ = kineto(decode.clean_low_latency_buffer, CALLS)
+        rows, _ = kineto(lambda: decode.clean_low_latency_buffer(T, H, E), CALLS)
         if not any(row.split()[:1] == ["tritonep::low_latency::clean_buffer"] for row in rows):
             problems.append(f"clean_low_latency_buffer: no tritonep::low_latency::clean_buffer row in {rows}")
         problems += [f"clean_low_latency_buffer: a row holds {name!r}" for name in ("dispatch", "combine")
