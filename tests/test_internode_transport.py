@@ -31,7 +31,8 @@ def ring_kernel(transport_table, heap_base, rank, num_ranks, epoch, status_ptr, 
     nxt = (rank + 1) % num_ranks
     previous = (rank + num_ranks - 1) % num_ranks
     stamp = epoch.to(tl.int64) << 32
-    put_signal(transport_table, heap_base, LANDING, SOURCE, NBYTES, SIGNAL, stamp + NBYTES, nxt, TRANSPORT, 256)
+    put_signal(transport_table, heap_base, LANDING, SOURCE, NBYTES, SIGNAL, stamp + NBYTES, nxt, TRANSPORT, 256,
+               GPU)
     wait_signal(heap_base, SIGNAL, stamp + NBYTES, status_ptr, timeout_ns, PHASE, previous, GPU)
     signal_add(transport_table, heap_base, COUNTER, 1, 0, TRANSPORT)
     if rank == 0:

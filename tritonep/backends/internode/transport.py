@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tritonep.device.signals import add_release, publish, wait_at_least
+from tritonep.device.signals import add_release, fence_system, publish, wait_at_least
 
 NVSHMEM = tl.constexpr(1)
 STORES = tl.constexpr(2)
@@ -85,10 +85,13 @@ def _copy_words(src, dst, num_words, BLOCK: tl.constexpr):
 
 @triton.jit
 def put_signal(transport_table, heap_base, dst_offset, src_offset, nbytes, signal_offset, value, peer,
-               TRANSPORT: tl.constexpr, BLOCK: tl.constexpr):
+               TRANSPORT: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr):
     """``nbytes`` (a multiple of 4; of 16 for full speed) of this rank's heap at ``src_offset``
     into ``peer``'s heap at ``dst_offset``, then ``peer``'s word at ``signal_offset`` set to
-    ``value`` (int64), after the bytes. Block-wide; ``peer`` may be this rank."""
+    ``value`` (int64), after the bytes. Block-wide; ``peer`` may be this rank. The bytes may
+    have just been written by any thread of the program: they are read after a barrier and a
+    system fence (a NIC reads them from outside the GPU)."""
+    fence_system(GPU)
     if TRANSPORT == STORES:
         remote = tl.load(transport_table + peer)
         _copy_words((heap_base + src_offset).to(tl.pointer_type(tl.int32)),
@@ -96,8 +99,11 @@ def put_signal(transport_table, heap_base, dst_offset, src_offset, nbytes, signa
         publish((remote + signal_offset).to(tl.pointer_type(tl.int64)), _int64(value))
     else:
         pe = tl.load(transport_table + peer).to(tl.int32)
-        _nvshmem_put_signal(heap_base + dst_offset, heap_base + src_offset, _int64(nbytes),
-                            heap_base + signal_offset, _int64(value), _SIGNAL_SET, pe)
+        if nbytes > 0:
+            _nvshmem_put_signal(heap_base + dst_offset, heap_base + src_offset, _int64(nbytes),
+                                heap_base + signal_offset, _int64(value), _SIGNAL_SET, pe)
+        else:   # nothing to move: the signal alone
+            _nvshmem_signal_op(heap_base + signal_offset, _int64(value), _SIGNAL_SET, pe)
 
 
 @triton.jit
