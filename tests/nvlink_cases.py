@@ -104,11 +104,12 @@ def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
 
 def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device) -> dict:
     topk_idx, topk_weights = inputs["topk_idx"].to(device), inputs["topk_weights"].to(device)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
     dispatch_x = _to_device(inputs["dispatch_x"], device)
     config = deep_ep.Config(case.num_sms)
     recv_x, recv_idx, recv_weights, per_expert_list, handle, _ = buffer.dispatch(
-        dispatch_x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        dispatch_x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
         topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=case.expert_alignment,
         num_worst_tokens=case.num_worst_tokens, config=config)
     real = int(handle.rank_prefix_matrix[-1, buffer.rank])
@@ -260,26 +261,34 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
     """Returns the list of mismatches on this rank (empty when the backends agree). ``tuning``:
     changes to the NVLink backend's ``Tuning`` for this case (kernel shapes, paths)."""
     nvlink, cpu = _buffers(group, nvl_bytes)
-    inputs = make_inputs(case, group.rank(), group.size())
     default = nvlink.backend.tuning
     nvlink.backend.tuning = dataclasses.replace(default, **(tuning or {}))
     try:
         with count_replays() as taken:
-            got = _run(nvlink, case, inputs, nvlink.device)
+            problems = compare_buffers(nvlink, cpu, case)
     finally:
         nvlink.backend.tuning = default
-    expected = _run(cpu, case, inputs, torch.device("cpu"))
-    # combined_weights: each slot is summed from recv_weights, which are 0 on every rank but
-    # the one with the slot's expert, so both backends give the weight itself, exactly.
-    rounding = combine_rounding(nvlink.device, case.bias)
-    problems = [m for key in expected for m in _mismatches(
-        key, got[key], expected[key], rounding if key.startswith("combined") and "weights" not in key else (0, 0))]
     # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
     wanted = {"cached_dispatch": case.repeats - 1, "combine": case.repeats - 1 if not case.bias else 0,
               "low_latency": 0}
     if nvlink.device.type == "cuda" and taken != wanted:
         problems.append(f"replays taken {taken}, expected {wanted}")
     return problems
+
+
+def compare_buffers(buffer: deep_ep.Buffer, cpu: deep_ep.Buffer, case: Case) -> list[str]:
+    """The case's calls on ``buffer`` and on the CPU backend's ``cpu`` (gloo), compared: the
+    mismatches on this rank (``buffer`` runs first, so its calls' replays are the caller's to
+    count)."""
+    group = buffer.group
+    inputs = make_inputs(case, group.rank(), group.size())
+    got = _run(buffer, case, inputs, buffer.device)
+    expected = _run(cpu, case, inputs, torch.device("cpu"))
+    # combined_weights: each slot is summed from recv_weights, which are 0 on every rank but
+    # the one with the slot's expert, so both backends give the weight itself, exactly.
+    rounding = combine_rounding(buffer.device, case.bias)
+    return [m for key in expected for m in _mismatches(
+        key, got[key], expected[key], rounding if key.startswith("combined") and "weights" not in key else (0, 0))]
 
 
 def round_trip(buffer: deep_ep.Buffer, num_tokens: int, hidden: int, seed: int, routing: str = "random",

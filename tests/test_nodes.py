@@ -265,11 +265,13 @@ def test_split_that_does_not_divide_the_group_is_refused(split) -> None:
         assert topology.GPUS_PER_NODE_VARIABLE in message and f"{pool.num_ranks} ranks" in message
 
 
-def test_nvlink_backend_refuses_a_split_group(split) -> None:
+def test_internode_backend_needs_rdma_bytes(split) -> None:
+    """On GPUs (here: the NVLink kind) a split group gets the internode backend, whose heap is
+    num_rdma_bytes: a Buffer without it is refused before any communication."""
     pool, nodes = split
     for message in pool.run(case_buffer_refused, {"TRITONEP_BACKEND": "nvlink"}):
         assert f"spans {nodes} nodes of {pool.num_ranks // nodes} ranks" in message
-        assert "not built yet" in message and "CPU backend" in message
+        assert "num_rdma_bytes must be > 0" in message
 
 
 def test_one_node_rejects_tokens_per_node(single_node_pools) -> None:

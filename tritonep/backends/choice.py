@@ -54,14 +54,22 @@ def check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
                 f"NVLink systems with IMEX; never under the Triton interpreter); use use_fabric=False")
 
 
-def check_node_split(kind: str, num_nodes: int, ranks_per_node: int) -> None:
-    """Raise if the chosen backend cannot serve a group that spans ``num_nodes`` nodes. Local:
-    runs before any allocation or communication."""
-    if kind == "nvlink" and num_nodes > 1:
-        raise InputError(f"the group spans {num_nodes} nodes of {ranks_per_node} ranks "
-                         f"({topology.GPUS_PER_NODE_VARIABLE} or DeepEP's nodes of 8): the NVLink backend works "
-                         f"inside one node and the internode (NVSHMEM) backend is not built yet; the CPU "
-                         f"backend (gloo groups, or TRITONEP_BACKEND=collective) models node splits")
+def check_node_split(kind: str, num_nodes: int, ranks_per_node: int, num_rdma_bytes: int = 0,
+                     low_latency_mode: bool = False) -> None:
+    """Raise if the chosen backend cannot serve a group that spans ``num_nodes`` nodes: on GPUs
+    such a group gets the internode backend, which needs ``num_rdma_bytes`` for its heap and has
+    no low-latency mode yet. Local: runs before any allocation or communication."""
+    if kind != "nvlink" or num_nodes == 1:
+        return
+    split = (f"the group spans {num_nodes} nodes of {ranks_per_node} ranks ({topology.GPUS_PER_NODE_VARIABLE} "
+             f"or DeepEP's nodes of 8)")
+    if low_latency_mode:
+        raise InputError(f"{split}: the internode backend has no low-latency mode yet; the CPU backend (gloo "
+                         f"groups, or TRITONEP_BACKEND=collective) models it")
+    if num_rdma_bytes <= 0:
+        raise InputError(f"{split}: the internode backend moves rows between nodes through a heap of "
+                         f"num_rdma_bytes, so num_rdma_bytes must be > 0 (got {num_rdma_bytes}; ElasticBuffer "
+                         f"gives it none and is not served across nodes yet)")
 
 
 def make_backend(kind: str, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
@@ -71,6 +79,10 @@ def make_backend(kind: str, group: dist.ProcessGroup, buffer_id: int, num_nvl_by
         from tritonep.backends.collective import CollectiveBackend
 
         return CollectiveBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+    if topology.num_nodes(group.size()) > 1:
+        from tritonep.backends.internode.backend import InternodeBackend
+
+        return InternodeBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes)
     from tritonep.backends.nvlink import NvlinkBackend
 
     return NvlinkBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)

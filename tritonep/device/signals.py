@@ -92,7 +92,8 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
         else:
             expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
     if expired & (value < target):   # not when the last poll saw it arrive as the time ran out
-        tl.store(status_ptr, (phase * 65536 + peer + 1).to(tl.int64))
+        # Tensor first: under the interpreter a constexpr plus a tensor stays a constexpr.
+        tl.store(status_ptr, (peer + phase * 65536 + 1).to(tl.int64))
         value = target + (1 << 56)
     tl.debug_barrier()
     return value

@@ -21,6 +21,15 @@ PHASE_LL_DISPATCH_DATA = tl.constexpr(7)
 PHASE_LL_COMBINE_SLOT = tl.constexpr(8)
 PHASE_LL_COMBINE_DATA = tl.constexpr(9)
 PHASE_LL_CLEAN = tl.constexpr(10)
+# The internode backend's phases (backends/internode/): waits across nodes go through its
+# transport, waits inside a node through the node's own pointers.
+PHASE_NET_NOTIFY = tl.constexpr(11)
+PHASE_NET_DISPATCH_SLOT = tl.constexpr(12)  # sender waiting for the destination node to free its landing rows
+PHASE_NET_DISPATCH_DATA = tl.constexpr(13)  # a node's receiver waiting for rows a source put into the node
+PHASE_NET_COMBINE_SLOT = tl.constexpr(14)
+PHASE_NET_COMBINE_DATA = tl.constexpr(15)   # a source waiting for a node's partial sums
+PHASE_NODE_COMBINE_DATA = tl.constexpr(16)  # the node's reducer waiting for a rank of its node
+PHASE_TRANSPORT_TEST = tl.constexpr(17)     # the transport's own tests
 PHASE_NAMES = {
     1: "count exchange (notify)",
     2: "dispatch: waiting for the peer to release its receive area",
@@ -32,6 +41,13 @@ PHASE_NAMES = {
     8: "low_latency_combine: waiting for the peer to finish receiving the call before last",
     9: "low_latency_combine: waiting for rows from the peer",
     10: "clean_low_latency_buffer: waiting for the peer at the barrier",
+    11: "internode count exchange (notify)",
+    12: "internode dispatch: waiting for the destination node to release its landing area",
+    13: "internode dispatch: waiting for rows the source put into this node",
+    14: "internode combine: waiting for the source to release its landing area",
+    15: "internode combine: waiting for the node's partial sums",
+    16: "internode combine: waiting for a rank of this node to stage its rows",
+    17: "transport test wait",
 }
 
 # Shrink mode: a status word with this bit set reports a peer that was masked after a time-out

@@ -40,10 +40,14 @@ def masked_after_timeout_message(code: int, rank: int, timeout_ns: int) -> str:
             f"calls go on without that rank until low_latency_update_mask_buffer unmasks it")
 
 
-def timeout_error(code: int, rank: int, timeout_ns: int, calls: str) -> RuntimeError:
-    """The error for a status word a timed-out wait wrote (``phase * 65536 + peer + 1``)."""
+def timeout_error(code: int, rank: int, timeout_ns: int, calls: str, ranks_per_node: int | None = None
+                  ) -> RuntimeError:
+    """The error for a status word a timed-out wait wrote (``phase * 65536 + peer + 1``); with
+    ``ranks_per_node`` (a group that spans nodes) it names both ranks' nodes too."""
     phase, peer = divmod(code - 1, 65536)
+    where = "" if ranks_per_node is None else f" (node {rank // ranks_per_node})"
+    peer_where = "" if ranks_per_node is None else f" (node {peer // ranks_per_node})"
     return RuntimeError(
-        f"tritonep: rank {rank} timed out after {timeout_ns / 1e9:.0f} s in phase "
-        f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}; that rank stalled or made a "
+        f"tritonep: rank {rank}{where} timed out after {timeout_ns / 1e9:.0f} s in phase "
+        f"'{PHASE_NAMES.get(phase, phase)}' waiting for rank {peer}{peer_where}; that rank stalled or made a "
         f"different sequence of {calls}. This Buffer cannot be used any more.")

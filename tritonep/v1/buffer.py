@@ -120,7 +120,7 @@ class Buffer:
         num_ranks = group.size() if group is not None else int(comm.Get_size())
         self.ranks_per_node = topology.ranks_per_node(num_ranks)
         self.num_nodes = num_ranks // self.ranks_per_node
-        check_node_split(kind, self.num_nodes, self.ranks_per_node)
+        check_node_split(kind, self.num_nodes, self.ranks_per_node, num_rdma_bytes, low_latency_mode)
         if group is None:
             group = group_from_comm(comm)   # the first communication
         self.group, self.comm, self.rank, self.group_size = group, comm, group.rank(), group.size()
