@@ -3,9 +3,10 @@
     python -m benchmarks.ab_worker --baseline DIR --rounds N --json PATH [shape options]
 
 It imports this checkout's tritonep and, under another name, the one in ``DIR`` (the folder that
-holds ``tritonep/``; its modules import each other relatively, so it loads as ``tritonep_baseline``),
-makes a one-rank process group (NCCL on GPU 0, gloo with ``--cpu``) and measures each call of
-each package through the public API only (``Buffer``, ``Config``,
+holds ``tritonep/``): a copy of that package named ``tritonep_baseline`` whose import statements
+name it so (the package imports its own modules by absolute name: loaded as it is, the baseline
+would run this checkout's modules). It makes a one-rank process group (NCCL on GPU 0, gloo with
+``--cpu``) and measures each call of each package through the public API only (``Buffer``, ``Config``,
 ``Buffer.get_low_latency_rdma_size_hint``, ``utils``): GPU time (``timing.median_us``: one call
 at a time, L2 flushed, median) and host CPU time per call (back to back). The two packages take
 turns call shape by call shape and round by round, in one process on one core: a host's speed
@@ -19,6 +20,8 @@ import argparse
 import importlib
 import json
 import os
+import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -29,20 +32,53 @@ import torch.distributed as dist
 
 from . import inputs, timing
 
+# An import statement of the package itself: ``from tritonep...`` / ``import tritonep...``.
+_OWN_IMPORT = re.compile(r"^(\s*)(from|import)\s+tritonep(?=[\s.])", re.MULTILINE)
+BASELINE_NAME = "tritonep_baseline"
+
+
+def copy_as_baseline(baseline: str, folder: str) -> str:
+    """``baseline``'s tritonep copied to ``folder`` as the package ``tritonep_baseline``, its
+    import statements renamed (line for line, so Triton reads its kernels' source as written)."""
+    target = os.path.join(folder, BASELINE_NAME)
+    shutil.copytree(os.path.join(os.path.realpath(baseline), "tritonep"), target,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for directory, _, files in os.walk(target):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                with open(path) as f:
+                    source = f.read()
+                with open(path, "w") as f:
+                    f.write(_OWN_IMPORT.sub(rf"\1\2 {BASELINE_NAME}", source))
+    return target
+
 
 def import_both(baseline: str, link_folder: str) -> dict[str, object]:
     """{"new": this checkout's tritonep, "baseline": the one in ``baseline``, as ``tritonep_baseline``},
     each checked to come from where it should."""
     checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     sys.path.insert(0, checkout)
-    os.symlink(os.path.join(os.path.realpath(baseline), "tritonep"), os.path.join(link_folder, "tritonep_baseline"))
+    copy = copy_as_baseline(baseline, link_folder)
     sys.path.insert(0, link_folder)
-    packages = {"new": importlib.import_module("tritonep"), "baseline": importlib.import_module("tritonep_baseline")}
-    for which, root in (("new", checkout), ("baseline", baseline)):
+    packages = {"new": importlib.import_module("tritonep"), "baseline": importlib.import_module(BASELINE_NAME)}
+    for which, root in (("new", checkout), ("baseline", link_folder)):
         found = os.path.dirname(os.path.dirname(os.path.realpath(packages[which].__file__)))
         if found != os.path.realpath(root):
             raise RuntimeError(f"the {which} tritonep came from {found}, not from {root}")
+    for name, module in list(sys.modules.items()):
+        if name.startswith(BASELINE_NAME) and not os.path.realpath(module.__file__).startswith(os.path.realpath(copy)):
+            raise RuntimeError(f"the baseline's module {name} came from {module.__file__}")
     return packages
+
+
+def check_origin(package: object, buffers: list) -> None:
+    """Each Buffer, and the backend it made (imported when the first Buffer is built), is
+    ``package``'s own code."""
+    for buffer in buffers:
+        for item in (buffer, buffer.backend):
+            if not type(item).__module__.startswith(package.__name__ + "."):
+                raise RuntimeError(f"a {package.__name__} Buffer runs {type(item).__module__}")
 
 
 def one_rank_group(gpu: bool) -> dist.ProcessGroup:
@@ -100,19 +136,23 @@ def measure(baseline: str, args: argparse.Namespace) -> dict[str, list[dict]]:
     gpu = torch.cuda.is_available() and not args.cpu
     with tempfile.TemporaryDirectory() as link_folder:
         packages = import_both(baseline, link_folder)
+        roots = {"new": os.path.dirname(os.path.dirname(os.path.realpath(packages["new"].__file__))),
+                 "baseline": os.path.realpath(baseline)}
         group = one_rank_group(gpu)
         device = torch.device("cuda", 0) if gpu else torch.device("cpu")
         tables, buffers = {}, []
         for which, tritonep in packages.items():
             tables[which], made = calls(tritonep, group, args, device)
+            check_origin(tritonep, made)
             buffers += made
         yardstick = torch.zeros(16, device=device)
         measured: dict[str, list[dict]] = {which: [] for which in packages}
         for round_ in range(args.rounds):
             # The order swaps every round, so that neither package always runs on a warmer host.
             order = ["new", "baseline"] if round_ % 2 == 0 else ["baseline", "new"]
-            reports = {which: {"package": os.path.dirname(os.path.dirname(os.path.realpath(packages[which].__file__))),
-                               "tritonep": os.path.realpath(packages[which].__file__),
+            reports = {which: {"package": roots[which],
+                               "tritonep": os.path.join(roots[which], "tritonep", "__init__.py"),
+                               "buffer_module": packages[which].Buffer.__module__,
                                "device": torch.cuda.get_device_name() if gpu else "cpu", "rows": {}}
                        for which in order}
             for which in order:

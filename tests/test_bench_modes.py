@@ -1,11 +1,12 @@
 """The benchmark's other modes on CPUs: ``--profile`` on gloo ranks, and the one-rank A/B against
-a package as of commit bb06a2c (each package in a process of its own, public API only)."""
+a package as of commit bb06a2c (both packages in one worker process, public API only)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -41,6 +42,8 @@ def test_one_rank_ab_against_an_older_package(baseline_package, tmp_path, capsys
     result = json.loads((tmp_path / "ab.json").read_text())
     assert result["baseline"]["tritonep"].startswith(os.path.realpath(baseline_package))
     assert result["new"]["tritonep"].startswith(CHECKOUT)
+    assert result["baseline"]["rounds"][0]["buffer_module"].startswith("tritonep_baseline.")
+    assert result["new"]["rounds"][0]["buffer_module"] == "tritonep.v1.buffer"
     rows = result["new"]["rows"]
     assert set(rows) == set(result["baseline"]["rows"]) == {
         "layout", "fresh dispatch", "cached dispatch bf16", "cached dispatch fp8", "combine", "low-latency dispatch",
@@ -48,6 +51,19 @@ def test_one_rank_ab_against_an_older_package(baseline_package, tmp_path, capsys
     assert all(figure > 0 for figures in rows.values() for figure in figures.values())
     assert len(result["ratios"]) == 2 * len(rows)
     assert "row(s) worse by more than 5%" in capsys.readouterr().out
+
+
+def test_ab_baseline_runs_its_own_modules(tmp_path) -> None:
+    """A baseline whose modules import each other by absolute name (as this checkout's do) runs
+    its own modules, not this checkout's under its name: this checkout taken as the baseline
+    gives two Buffer classes, each from its own package."""
+    script = ("import sys; from benchmarks.ab_worker import import_both; "
+              f"p = import_both({CHECKOUT!r}, {str(tmp_path)!r}); "
+              "b, n = p['baseline'].Buffer, p['new'].Buffer; "
+              "print(b is not n, b.__module__, n.__module__, sys.modules[b.__module__].checks.__name__)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=CHECKOUT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "tritonep_baseline.v1.buffer", "tritonep.v1.buffer",
+                                  "tritonep_baseline.core.checks"]
 
 
 def test_ab_flags_rows_more_than_five_percent_slower(capsys) -> None:

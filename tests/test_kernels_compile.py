@@ -22,7 +22,7 @@ from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dis
 from tritonep.backends.nvlink.normal.combine_copy_engine import combine_piece_signal_kernel, combine_weights_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel  # noqa: E402
-from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.layout_kernel import LAYOUT_WARPS, dispatch_layout_kernel, layout_constants  # noqa: E402
 from tritonep.backends.nvlink.normal.notify_kernel import notify_dispatch_kernel  # noqa: E402
 from tritonep.runtime.kernel_names import mangled  # noqa: E402
 
@@ -50,12 +50,15 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4)
     return compiled
 
 
-def test_layout_kernel_compiles() -> None:
-    compile_for_hopper(dispatch_layout_kernel,
-                       dict(topk_idx_ptr=I64, num_tokens=4096, num_tokens_per_rank_ptr=I32,
-                            num_tokens_per_expert_ptr=I32, is_token_in_rank_ptr=BOOL, invalid_ids_ptr=I32,
-                            num_experts=256, experts_per_rank=128),
-                       dict(NUM_TOPK=8, TOPK_PAD=8, NUM_RANKS=2, RANKS_PAD=2, BLOCK_N=128))
+@pytest.mark.parametrize("num_topk,num_ranks,num_experts", [(8, 2, 256), (6, 8, 256), (1, 4, 4), (9, 1, 288)])
+def test_layout_kernel_compiles(num_topk: int, num_ranks: int, num_experts: int) -> None:
+    kernel = compile_for_hopper(dispatch_layout_kernel,
+                                dict(topk_idx_ptr=I64, num_tokens=4096, num_tokens_per_rank_ptr=I32,
+                                     num_tokens_per_expert_ptr=I32, is_token_in_rank_ptr=BOOL, invalid_ids_ptr=I32,
+                                     num_experts=num_experts),
+                                layout_constants(num_topk, num_experts, num_ranks), num_warps=LAYOUT_WARPS)
+    # The per-expert counts come from the warps' ballots (a histogram), not from global atomics.
+    assert "vote.sync.ballot" in kernel.asm["ptx"] and kernel.asm["ptx"].count("atom.global") <= 1
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -71,9 +74,11 @@ def test_notify_kernel_compiles(exchange: bool) -> None:
                             SIGNATURE=8, NUM_RANKS=3, RANKS_PAD=4, EXPERTS_PAD=128, BLOCK_T=256, EXCHANGE=exchange))
 
 
-@pytest.mark.parametrize("has_scales,has_topk,send", [(False, True, True), (True, True, True), (False, False, True),
-                                                      (False, True, False), (True, True, False)])
-def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool) -> None:
+# (send, receive): the send half, the receive half, or both in one launch.
+@pytest.mark.parametrize("has_scales,has_topk,send,receive", [
+    (False, True, True, False), (True, True, True, False), (False, False, True, False), (False, True, False, True),
+    (True, True, False, True), (False, True, True, True), (True, False, True, True)])
+def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, receive: bool) -> None:
     kernel = compile_for_hopper(
         dispatch_kernel,
         dict(x_ptr=I32, x_words=3584, scales_ptr=I32, scale_words=56, scale_token_stride=56, scale_col_stride=1,
@@ -85,8 +90,8 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool) 
              capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64,
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12, SEND=send,
-             HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8, BLOCK=2048,
-             SIGNAL_EVERY=4),
+             RECEIVE=receive, HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8,
+             BLOCK=2048, SIGNAL_EVERY=4),
         num_warps=16)
     # The waits use acquire loads and the timer: check the inline PTX made it into the kernel.
     assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]

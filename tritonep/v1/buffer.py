@@ -246,10 +246,20 @@ class Buffer:
             event: the event to wait on when ``async_finish``.
         """
         self._check_alive()
-        checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        checks.check_num_experts(num_experts, self.group_size)
-        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(None, None), device=self.device)
+        # A well-formed call passes on a few attribute reads; any miss runs the full checks,
+        # which say what is wrong. The ids' values are checked on every call: here on the CPU,
+        # by the layout kernel on the GPU (dispatch then raises on every rank).
+        if not (type(topk_idx) is torch.Tensor and topk_idx.dtype == torch.int64 and topk_idx.dim() == 2
+                and (topk_idx.is_cuda if self._on_gpu else topk_idx.is_cpu) and topk_idx.is_contiguous()
+                and type(num_experts) is int and num_experts > 0 and num_experts % self.group_size == 0):
+            checks.check_num_experts(num_experts, self.group_size)
+            checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(None, None), device=self.device)
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)
+        if previous_event is None and not async_finish and not allocate_on_comm_stream and self.num_nodes == 1:
+            # On the current stream, with no event (as on_comm_stream would run it), and no scope.
+            per_rank, per_expert, in_rank = self.backend.get_dispatch_layout(topk_idx, num_experts)
+            return per_rank, None, per_expert, in_rank, _NO_EVENT
+        checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, (topk_idx,)) as scope:
             per_rank, per_expert, in_rank = self.backend.get_dispatch_layout(topk_idx, num_experts)
             per_node = routing.tokens_per_node(in_rank, self.ranks_per_node) if self.num_nodes > 1 else None

@@ -3,7 +3,8 @@
 After the count exchange every rank knows ``rank_prefix_matrix``, so it knows exactly where
 each of its rows lands at each destination: block start (rows from lower ranks) plus the
 row's position in its send list. There is no ring buffer and no flow control inside a call.
-The kernel runs as two launches (``SEND``), which the engine puts on two streams:
+A fresh dispatch runs the kernel as two launches (``SEND``, ``RECEIVE``), which the engine
+puts on two streams:
 
 * **The send half** (``NUM_SENDERS`` programs) splits each peer's send list into
   ``NUM_SENDERS`` channels, gathers the rows from ``x`` and stores them into the peer's
@@ -16,6 +17,11 @@ The kernel runs as two launches (``SEND``), which the engine puts on two streams
   rows from staging into the outputs, overlapping the transfer. A fresh dispatch launches it
   too before the host has the counts, into outputs of a guessed size (``guard_word``): it then
   stands down when the host will raise or relaunch instead (``_receive_goes_ahead``).
+
+When the counts are on the GPU before the call starts (a cached dispatch; a ``num_worst_tokens``
+dispatch, which never reads them back) nothing runs between the halves, so one launch runs
+both: senders first, then receivers (``SEND`` and ``RECEIVE``). It does on the GPU what the two
+launches do, and spares the host a launch and the side stream's event records and waits.
 
 Staging is reused by the next call, so before writing to a peer a sender waits until all
 receiver programs of that peer finished the previous call: each receiver program adds one to
@@ -143,14 +149,21 @@ def dispatch_kernel(
     # Signal words, program roles, row fields, tile shape.
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr, SEND: tl.constexpr,
-    HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-    SCALE_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
+    RECEIVE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
 ):
-    """One launch of ``NUM_SENDERS`` programs (``SEND``) or of ``NUM_RECEIVERS`` (not ``SEND``)."""
+    """One launch of ``NUM_SENDERS`` programs (``SEND``), of ``NUM_RECEIVERS`` (``RECEIVE``), or
+    of both, senders first (``SEND`` and ``RECEIVE``)."""
     pid = tl.program_id(0)
     my_signals = tl.load(peer_base_ptrs + rank).to(tl.pointer_type(tl.int64))
     stamp = epoch.to(tl.int64) << 32
-    if SEND:
+    if SEND and RECEIVE:   # (decided when compiling: each launch compiles only the roles it runs)
+        sending = pid < NUM_SENDERS
+        pid = tl.where(sending, pid, pid - NUM_SENDERS)
+    else:
+        sending = SEND
+    if sending:
         for step in range(0, NUM_RANKS - 1):
             # Rotated, so that the programs of all ranks spread over the links.
             destination = (rank + 1 + step) % NUM_RANKS

@@ -31,7 +31,7 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
 from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
-from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout
+from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
 from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
 from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
 from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
@@ -55,6 +55,7 @@ class NormalEngine:
         self.state = NormalState(device)
         self.counts = CountExchange(self.state, rank, num_ranks)
         self.placeholders = Placeholders(device)
+        self.layout = DispatchLayout(num_ranks, self.counts.invalid_ids)
         self._shapes: dict[tuple, DispatchShape] = {}
         # The copy-engine combine's reducers spin while one-program signal kernels on side
         # streams must still find an SM: leave a few free.
@@ -103,7 +104,7 @@ class NormalEngine:
     # ------------------------------------------------------------------ dispatch
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return dispatch_layout(topk_idx, num_experts, self.num_ranks, self.counts.invalid_ids)
+        return self.layout(topk_idx, num_experts)
 
     def _dispatch_shape(self, request: DispatchRequest) -> DispatchShape:
         """The shape of this call's dispatch, worked out on the first call of its kind."""
@@ -130,7 +131,9 @@ class NormalEngine:
         which the send half does not hold up. A fresh dispatch of a shape seen before launches
         the receive half before the read-back too, into outputs with room for the previous
         call's rows and some slack, and returns views of their first rows; when more rows
-        arrive it stands down and is launched again into exact outputs."""
+        arrive it stands down and is launched again into exact outputs. A dispatch whose counts
+        are on the GPU already (a cached one, or with ``num_worst_tokens``) runs both halves as
+        one launch on the current stream."""
         self.check_status()
         x, scales = request.x, request.x_scales
         shape = self._dispatch_shape(request)
@@ -177,29 +180,31 @@ class NormalEngine:
         ahead = inputs + send_plan
         behind = shape.staging + (state.dispatch_epoch, state.dispatch_released) + self._status_args
 
-        launched: list = [None, None]   # the compiled (send, receive) launches: a cached dispatch learns them
+        launched = None   # the compiled launch that filled the outputs: a cached dispatch learns it
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
-            launched[0] = DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind,
-                                   shape.send_constants, t.warps)
+            DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind, shape.send_constants,
+                     t.warps)
 
-        def receive(rows: int, guard_word: int = 0) -> tuple[torch.Tensor, ...]:
+        def receive(rows: int, guard_word: int = 0, with_send: bool = False) -> tuple[torch.Tensor, ...]:
+            nonlocal launched
             outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self.device,
                                        self._cached_recv_src(plan, rows) if handle is not None else None)
             output_args = (outputs[0].view(torch.int32),
                            outputs[1].view(torch.int32) if scales is not None else outputs[4],
                            outputs[2] if has_topk else self.placeholders(torch.int64),
                            outputs[3] if has_topk else self.placeholders(torch.float32), outputs[4], rows, guard_word)
-            launched[1] = DISPATCH(shape.receivers, shape.receive_setup, ahead + output_args + behind,
-                                   shape.receive_constants, t.warps)
+            programs, setup, constants = (shape.both_programs, shape.both_setup, shape.both_constants) if with_send \
+                else (shape.receivers, shape.receive_setup, shape.receive_constants)
+            launched = DISPATCH(programs, setup, ahead + output_args + behind, constants, t.warps)
             return outputs
 
-        # The send half runs on the side stream after the exchange (after everything queued on
-        # the current stream so far), beside the receive half; one rank sends nothing.
-        sends = R > 1
-        if sends and (not reads_counts or t.send_before_sync):
-            state.send_stream.fork([send])
         if reads_counts:
+            # The send half runs on the side stream after the exchange (after everything queued
+            # on the current stream so far), beside the receive half; one rank sends nothing.
+            sends = R > 1
+            if sends and t.send_before_sync:
+                state.send_stream.fork([send])
             guess = guess_rows(shape, t)
             # Into outputs of a guessed size, the receive half follows the exchange on the GPU
             # without waiting for the host; it stands down if the counts call for an error or
@@ -214,15 +219,17 @@ class NormalEngine:
                 outputs = tuple(None if out is None else out[:num_out_rows] for out in outputs)
             else:
                 outputs = receive(num_out_rows)
+            state.send_stream.join()   # later work on the current stream (and the allocator) waits for the send
         else:
-            outputs = receive(num_out_rows)
-        state.send_stream.join()   # later work on the current stream (and the allocator) waits for the send
+            # The counts are on the GPU already (a cached dispatch, or num_worst_tokens): one
+            # launch runs both halves.
+            outputs = receive(num_out_rows, with_send=True)
         state.dispatch_released += shape.receivers
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
         replay = None
         if handle is not None and request.num_worst_tokens == 0:   # the next such call may replay these launches
             replay = CachedDispatchReplay.learn(
-                state, R, x, scales, *launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
+                state, x, scales, launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
                 shape.receivers, state.dispatch_epoch, state.dispatch_released - shape.receivers)
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]

@@ -86,39 +86,34 @@ class _HandleReplay:
 
 
 class CachedDispatchReplay(_HandleReplay):
-    """A cached dispatch of one handle, input layout and num_sms: its send and receive launches."""
+    """A cached dispatch of one handle, input layout and num_sms: its one launch (both halves)."""
 
-    __slots__ = ("rows", "scale_words", "receivers", "send", "send_args", "receive", "receive_args", "send_job")
+    __slots__ = ("rows", "scale_words", "receivers", "launch", "args")
 
-    def __init__(self, state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, send: Any, receive: Any,
-                 rows: int, scale_words: int, receivers: int) -> None:
+    def __init__(self, state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, rows: int,
+                 scale_words: int, receivers: int) -> None:
         super().__init__(state, x, scales)
         self.rows, self.scale_words, self.receivers = rows, scale_words, receivers
-        self.send, self.receive = send, receive
-        self.send_args = None if send is None else list(send.args)
-        self.receive_args = list(receive.args)
-        send_args = self.send_args
-        # The send half runs as a side-stream job (``side_streams``): on that stream, its own list.
-        self.send_job = None if send is None else lambda: send(current_stream(), send_args)
+        self.launch, self.args = launch, list(launch.args)
 
     @staticmethod
-    def learn(state: NormalState, num_ranks: int, x: torch.Tensor, scales: torch.Tensor | None, send: Any,
-              receive: Any, recv_x: torch.Tensor, recv_scales: torch.Tensor | None, rows: int, scale_words: int,
-              receivers: int, epoch: int, released: int) -> CachedDispatchReplay | None:
-        """The replay of the cached dispatch the general path just launched (``send``, None with
-        one rank, and ``receive``: the compiled launches it made), or None when it launched none
-        (the interpreter) or when the lists do not hold this call's values where a replay writes."""
-        if receive is None or (num_ranks > 1) != (send is not None) or not x.is_contiguous():
+    def learn(state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, recv_x: torch.Tensor,
+              recv_scales: torch.Tensor | None, rows: int, scale_words: int, receivers: int, epoch: int,
+              released: int) -> CachedDispatchReplay | None:
+        """The replay of the cached dispatch the general path just launched (``launch``: the
+        compiled launch it made), or None when it launched none (the interpreter) or when the
+        list does not hold this call's values where a replay writes."""
+        if launch is None or not x.is_contiguous():
             return None
         x_address = x.data_ptr()
-        inputs = {_D_X: x_address, _D_SCALES: x_address if scales is None else scales.data_ptr(),
-                  _D_TOPK_IDX: x_address, _D_TOPK_WEIGHTS: x_address, _D_EPOCH: epoch, _D_RELEASED: released}
-        outputs = {_D_OUT_X: recv_x.data_ptr()}
+        values = {_D_X: x_address, _D_SCALES: x_address if scales is None else scales.data_ptr(),
+                  _D_TOPK_IDX: x_address, _D_TOPK_WEIGHTS: x_address, _D_EPOCH: epoch, _D_RELEASED: released,
+                  _D_OUT_X: recv_x.data_ptr()}
         if recv_scales is not None:
-            outputs[_D_OUT_SCALES] = recv_scales.data_ptr()
-        if not _holds(receive, {**inputs, **outputs}) or (send is not None and not _holds(send, inputs)):
+            values[_D_OUT_SCALES] = recv_scales.data_ptr()
+        if not _holds(launch, values):
             return None
-        return CachedDispatchReplay(state, x, scales, send, receive, rows, scale_words, receivers)
+        return CachedDispatchReplay(state, x, scales, launch, rows, scale_words, receivers)
 
     def __call__(self, x: torch.Tensor, scales: torch.Tensor | None) -> Any:
         """recv_x (or (recv_x, recv_scales)) of the cached dispatch, or None: take the general path."""
@@ -132,18 +127,14 @@ class CachedDispatchReplay(_HandleReplay):
         state = self.state
         epoch = state.dispatch_epoch = state.dispatch_epoch + 1
         released = state.dispatch_released
-        for args in (self.send_args, self.receive_args) if self.send is not None else (self.receive_args,):
-            args[_D_X], args[_D_SCALES], args[_D_TOPK_IDX], args[_D_TOPK_WEIGHTS] = \
-                x_address, scales_address, x_address, x_address
-            args[_D_EPOCH], args[_D_RELEASED] = epoch, released
-        if self.send is not None:
-            state.send_stream.fork([self.send_job])
-        args = self.receive_args
+        args = self.args
+        args[_D_X], args[_D_SCALES], args[_D_TOPK_IDX], args[_D_TOPK_WEIGHTS] = \
+            x_address, scales_address, x_address, x_address
+        args[_D_EPOCH], args[_D_RELEASED] = epoch, released
         args[_D_OUT_X] = recv_x.data_ptr()
         if recv_scales is not None:
             args[_D_OUT_SCALES] = recv_scales.data_ptr()
-        self.receive(current_stream(), args)
-        state.send_stream.join()
+        self.launch(current_stream(), args)
         state.dispatch_released = released + self.receivers
         return recv_x if scales is None else (recv_x, recv_scales)
 

@@ -49,6 +49,11 @@ class DispatchShape:
     receive_constants: dict
     send_setup: tuple
     receive_setup: tuple
+    # One launch of both halves, senders first (a dispatch whose counts are on the GPU already);
+    # with one rank, which sends nothing, the receive half alone.
+    both_programs: int
+    both_constants: dict
+    both_setup: tuple
     unused_outputs: tuple   # the send half's outputs group: placeholders of the right types
     staging: tuple          # the kernel's staging-area group (dispatch_kernel.py)
     last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
@@ -76,10 +81,13 @@ class DispatchShape:
             GPU=GPU_KERNELS, **tile_shape(t.rows, 4 * x_words))
         constants["BLOCK"] = tile_block(t.block, constants["ROWS"], x_words)
         unused = placeholders(torch.int32)
+        send, receive = dict(constants, SEND=True, RECEIVE=False), dict(constants, SEND=False, RECEIVE=True)
+        send_setup, receive_setup = (launch_generation, key, "send"), (launch_generation, key, "receive")
+        both = (senders + receivers, dict(constants, SEND=True, RECEIVE=True), (launch_generation, key, "both")) \
+            if R > 1 else (receivers, receive, receive_setup)
         return DispatchShape(
             x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, senders, receivers,
-            dict(constants, SEND=True), dict(constants, SEND=False), (launch_generation, key, True),
-            (launch_generation, key, False),
+            send, receive, send_setup, receive_setup, *both,
             (unused, unused, placeholders(torch.int64), placeholders(torch.float32), unused, 0, 0),
             (memory.peer_base_ptrs, memory.rank, *regions, capacity))
 
