@@ -97,6 +97,26 @@ def print_normal(report: dict) -> None:
               f"{gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s{fp8}")
 
 
+_INTERNODE_ROWS = (("layout", "layout"), ("dispatch (with counts)", "dispatch"),
+                   ("cached dispatch bf16", "cached_dispatch"), ("cached dispatch fp8", "cached_dispatch_fp8"),
+                   ("combine", "combine"))
+
+
+def print_internode(report: dict) -> None:
+    """The internode rows: measured time, bytes per rank over the network and over NVLink, and
+    the network bytes' time at the NIC rate (the bound a real cluster would set)."""
+    who = f"{report['backend']}" + (f", {report['transport']} transport" if report.get("transport") else "")
+    print(f"\ninternode: {report['nodes']} nodes of {report['gpus_per_node']} ranks ({who}); bytes per rank "
+          f"(largest rank), projected at {report['nic_gbps']:g} GB/s per GPU")
+    print(f"{'path':<48}{'time (us)':>12}{'net MB':>10}{'NVL MB':>10}{'at NIC (us)':>14}")
+    for label, key in _INTERNODE_ROWS:
+        m = report["calls"][key]
+        print(f"{'internode: ' + label:<48}{m['us']:>12.1f}{m['network_bytes'] / 1e6:>10.2f}"
+              f"{m['nvlink_bytes'] / 1e6:>10.2f}{m['nic_us']:>14.1f}")
+    print(f"(rows per rank: {report['network_rows']:.0f} cross nodes, once per token and node; "
+          f"{report['nvlink_rows']:.0f} forwarded inside a node; the combine's network rows are float32 sums)")
+
+
 # Low-latency rows per call, GPU-only figures first: (label, key suffix).
 _LOW_LATENCY_ROWS = (("CUDA graph replay, per call", "graph_us"), ("profiler, device time per call", "profiled_us"),
                      ("one call (host path hidden)", "us"), ("send (hook mode)", "send_us"),
