@@ -16,7 +16,8 @@ Modes, one per run:
     a num_sms curve (DeepEP's too) and kernel shapes;
   - low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths;
   - with ``--gpus-per-node N``, the normal-mode rows on the group split into nodes of N ranks
-    (``internode.py``): time, network and NVLink bytes per rank, time at ``--nic-gbps``;
+    (``internode.py``) and its low-latency rows (``low_latency.traffic``): time, network and
+    NVLink bytes per rank, the network bytes' time at ``--nic-gbps``;
   it prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``;
 * ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank;
   writes ``profile.json``;
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             result["internode"] = pool.run(internode.run_rank, args)[0]
         if not args.skip_low_latency:
             backends = ["nvlink", "collective"] if args.use_gpu else ["collective"]
+            backends += ["internode"] if args.gpus_per_node else []
             result["low_latency"] = pool.run(low_latency.run_rank, args, backends)[0]
     if not args.skip_normal:
         report.print_normal(result)

@@ -128,7 +128,9 @@ def print_low_latency(report: dict) -> None:
           f"top-{report['topk']} of {report['experts']} experts, fp8 dispatch, bf16 combine")
     print(f"{'path':<70}{'time (us)':>12}{'GB/s':>10}")
     pair_bytes = report["dispatch_bytes"] + report["combine_bytes"]
-    for backend, name in (("nvlink", "tritonep"), ("deepep", "DeepEP V1"), ("collective", "all_to_all_single path")):
+    split = report.get("internode_traffic", {}).get("gpus_per_node")
+    for backend, name in (("nvlink", "tritonep"), ("internode", f"split into nodes of {split}"),
+                          ("deepep", "DeepEP V1"), ("collective", "all_to_all_single path")):
         m = report.get(backend, {})
         if "missing" in m or "error" in m:
             print(f"{name}: {m.get('missing') or m.get('error')}")
@@ -152,6 +154,14 @@ def print_low_latency(report: dict) -> None:
             print(f"{f'{name}: {kind}, host CPU per call, back to back':<70}"
                   f"{m[f'{kind}_host_back_to_back_us']:>12.1f}")
     print(f"{'host yardstick: torch add_ per call, back to back':<70}{report['torch_add_host_back_to_back_us']:>12.1f}")
+    traffic = report.get("internode_traffic")
+    if traffic:
+        print(f"nodes of {traffic['gpus_per_node']}: rows per rank (largest rank) {traffic['network_rows']:.0f} over "
+              f"the network, {traffic['nvlink_rows']:.0f} over NVLink; at {traffic['nic_gbps']:g} GB/s per GPU")
+        for kind in ("dispatch", "combine"):
+            print(f"{f'  {kind}: network MB / NVLink MB / time at the NIC (us)':<70}"
+                  f"{traffic[f'{kind}_network_bytes'] / 1e6:>8.2f} / {traffic[f'{kind}_nvlink_bytes'] / 1e6:.2f} / "
+                  f"{traffic[f'{kind}_nic_us']:.1f}")
 
 
 def plot(report: dict, path: str) -> None:

@@ -138,3 +138,19 @@ def test_internode_traffic_rows_match_a_count_by_hand() -> None:
                 network += bool(takers) and node != rank // 2
                 forwarded += len([d for d in takers if d != 2 * node + rank % 2])
         assert traffic_rows(in_rank, rank, 2) == (network, forwarded), rank
+
+
+def test_internode_low_latency_rows_on_cpu_ranks(tmp_path, capsys) -> None:
+    """``--gpus-per-node 2 --skip-normal``: the low-latency calls on the split group beside the
+    other paths, with rows per rank over the network and over NVLink counted from the routing."""
+    main(["--cpu", "--ranks", "4", "--gpus-per-node", "2", "--skip-normal", "--hidden", "256", "--experts", "16",
+          "--topk", "4", "--ll-tokens", "4", "--ll-experts", "8", "--iters", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())["low_latency"]
+    assert result["internode"]["dispatch_us"] > 0 and result["internode"]["combine_us"] > 0
+    traffic = result["internode_traffic"]
+    # 4 tokens x top-4 = 16 rows per rank, each to another node, another rank of this node, or itself.
+    assert 0 < traffic["network_rows"] <= 16 and traffic["network_rows"] + traffic["nvlink_rows"] <= 16
+    assert traffic["dispatch_network_bytes"] == traffic["network_rows"] * (256 + 8)
+    assert traffic["combine_network_bytes"] == traffic["network_rows"] * 512
+    assert abs(traffic["combine_nic_us"] - traffic["combine_network_bytes"] / 50e3) < 1e-9
+    assert "split into nodes of 2: dispatch + combine" in capsys.readouterr().out
