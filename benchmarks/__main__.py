@@ -3,6 +3,7 @@
     python -m benchmarks [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
                          [--num-sms 24] [--iters 50] [--rounds 2] [--out DIR] [--sweep] [--vs-deepep]
                          [--ll-tokens T] [--ll-experts E] [--skip-normal] [--skip-low-latency]
+                         [--gpus-per-node N [--nic-gbps 50]]
                          [--cpu | --gpu] [--profile | --baseline DIR | --api v2]
 
 Modes, one per run:
@@ -14,6 +15,9 @@ Modes, one per run:
     ``import deep_ep`` gives DeepEP itself; the link ceiling (``ceiling.py``); with ``--sweep``
     a num_sms curve (DeepEP's too) and kernel shapes;
   - low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths;
+  - with ``--gpus-per-node N``, the normal-mode rows on the group split into nodes of N ranks
+    (``internode.py``) and its low-latency rows (``low_latency.traffic``): time, network and
+    NVLink bytes per rank, the network bytes' time at ``--nic-gbps``;
   it prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``;
 * ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank;
   writes ``profile.json``;
@@ -36,7 +40,7 @@ import os
 
 import torch
 
-from . import ab, kernel_profile, low_latency, normal, report, v2
+from . import ab, internode, kernel_profile, low_latency, normal, report, v2
 from .internals import RankPool
 
 
@@ -59,6 +63,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ll-experts", type=int, help="low-latency experts (default 288 on GPUs, 16 on CPUs)")
     parser.add_argument("--skip-normal", action="store_true", help="only the low-latency part")
     parser.add_argument("--skip-low-latency", action="store_true", help="only the normal-mode part")
+    parser.add_argument("--gpus-per-node", type=int, default=0,
+                        help="also the internode rows: the group split into nodes of N ranks (internode.py)")
+    parser.add_argument("--nic-gbps", type=float, default=50.0,
+                        help="NIC rate per GPU, GB/s each way, for the internode rows' projected times")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
     parser.add_argument("--gpu", action="store_true",
                         help="GPU ranks on a machine with one GPU, where the benchmark's default is CPU ranks")
@@ -77,6 +85,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.ranks = 1 if args.baseline is not None else gpus if args.use_gpu else 4
     if args.use_gpu:
         args.ranks = min(args.ranks, gpus)
+    if args.gpus_per_node and (args.ranks % args.gpus_per_node or args.ranks // args.gpus_per_node < 2):
+        parser.error(f"--gpus-per-node {args.gpus_per_node} must split the {args.ranks} ranks into 2+ whole nodes")
     if args.baseline is not None and args.ranks != 1:
         parser.error("--baseline runs at one rank: --ranks 1")
     for name, on_gpus, on_cpus in (("tokens", 4096, 256), ("hidden", 7168, 512), ("ll_tokens", 128, 16),
@@ -113,11 +123,16 @@ def main(argv: list[str] | None = None) -> None:
             _write(args, "bench_v2.json", result)
             return
         result = {} if args.skip_normal else pool.run(normal.run_rank, args)[0]
+        if args.gpus_per_node and not args.skip_normal:
+            result["internode"] = pool.run(internode.run_rank, args)[0]
         if not args.skip_low_latency:
             backends = ["nvlink", "collective"] if args.use_gpu else ["collective"]
+            backends += ["internode"] if args.gpus_per_node else []
             result["low_latency"] = pool.run(low_latency.run_rank, args, backends)[0]
     if not args.skip_normal:
         report.print_normal(result)
+    if "internode" in result:
+        report.print_internode(result["internode"])
     if "low_latency" in result:
         report.print_low_latency(result["low_latency"])
     _write(args, "bench.json", result)

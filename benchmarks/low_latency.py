@@ -89,7 +89,8 @@ def measure(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, 
 
 
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[str]) -> dict:
-    """Each of ``backends`` ("nvlink", "collective"), and DeepEP with ``--vs-deepep``, on the same inputs."""
+    """Each of ``backends`` ("nvlink", "collective", "internode": the group split into nodes of
+    ``--gpus-per-node``), and DeepEP with ``--vs-deepep``, on the same inputs."""
     rank, num_ranks = group.rank(), group.size()
     gpu = timing.on_gpu(group)
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
@@ -105,12 +106,40 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[
         group, timing.back_to_back_host_us(lambda: yardstick.add_(1)))
     size = tritonep.Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E)
     for backend in backends:
-        buffer = make_buffer(group, backend, num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
-        report[backend] = measure(group, buffer, args, x, topk_idx, weights, graphs=gpu and backend == "nvlink")
+        if backend == "internode":   # the group split into nodes: the internode backend, on CPUs the collective one
+            env = {"TRITONEP_GPUS_PER_NODE": str(args.gpus_per_node), "TRITONEP_TRANSPORT": "stores"}
+            buffer = make_buffer(group, "nvlink" if gpu else "collective", env, num_rdma_bytes=size,
+                                 low_latency_mode=True, explicitly_destroy=True)
+            report["internode_traffic"] = traffic(group, args, topk_idx)
+        else:
+            buffer = make_buffer(group, backend, num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
+        report[backend] = measure(group, buffer, args, x, topk_idx, weights,
+                                  graphs=gpu and backend in ("nvlink", "internode"))
         buffer.destroy()
     if args.vs_deepep:
         report["deepep"] = _deepep(group, args, x, topk_idx, weights, gpu)
     return report
+
+
+def traffic(group: dist.ProcessGroup, args: argparse.Namespace, topk_idx: torch.Tensor) -> dict:
+    """Rows per rank of a low-latency call on nodes of ``--gpus-per-node`` ranks: every (token,
+    expert) pair is one row straight to the expert's rank, over the network when that rank is in
+    another node, over NVLink when it is another rank of this one. The largest rank's counts, the
+    bytes (fp8 rows with their scales out, bf16 rows back) and the network bytes' time at
+    ``--nic-gbps``."""
+    rank, num_ranks, G = group.rank(), group.size(), args.gpus_per_node
+    owners = topk_idx[topk_idx >= 0] // (args.ll_experts // num_ranks)
+    network = int((owners // G != rank // G).sum())
+    nvlink = int(((owners // G == rank // G) & (owners != rank)).sum())
+    rows = torch.tensor([network, nvlink], dtype=torch.float64, device=topk_idx.device)
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
+    network, nvlink = rows.tolist()
+    H = args.hidden
+    row_bytes = {"dispatch": H + H // 128 * 4, "combine": 2 * H}
+    return {"gpus_per_node": G, "nic_gbps": args.nic_gbps, "network_rows": network, "nvlink_rows": nvlink,
+            **{f"{kind}_{path}_bytes": rows_ * size for kind, size in row_bytes.items()
+               for path, rows_ in (("network", network), ("nvlink", nvlink))},
+            **{f"{kind}_nic_us": network * size / (args.nic_gbps * 1e3) for kind, size in row_bytes.items()}}
 
 
 def _deepep(group: dist.ProcessGroup, args: argparse.Namespace, x: torch.Tensor, topk_idx: torch.Tensor,

@@ -27,14 +27,18 @@ from .internals import changed_tuning
 SWEEP_SMS = (4, 8, 16, 24, 32, 64)
 
 
-def make_buffer(group: dist.ProcessGroup, backend: str, **kwargs: object) -> tritonep.Buffer:
+def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | None = None,
+                **kwargs: object) -> tritonep.Buffer:
     """A tritonep Buffer of the ``backend`` asked for ("nvlink", or "collective": the
-    all_to_all_single path), chosen the documented way (``TRITONEP_BACKEND``)."""
-    os.environ["TRITONEP_BACKEND"] = backend
+    all_to_all_single path), chosen the documented way (``TRITONEP_BACKEND``), with the
+    variables ``env`` (e.g. ``TRITONEP_GPUS_PER_NODE``) set while it is built."""
+    settings = {"TRITONEP_BACKEND": backend, **(env or {})}
+    os.environ.update(settings)
     try:
         return tritonep.Buffer(group, **kwargs)
     finally:
-        os.environ.pop("TRITONEP_BACKEND")
+        for name in settings:
+            os.environ.pop(name)
 
 
 def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
@@ -47,8 +51,10 @@ def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Name
     module.Buffer.set_num_sms(num_sms)
     config = module.Buffer.get_dispatch_config(group.size())
     combine_config = module.Buffer.get_combine_config(group.size())
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    if per_node is not None:   # a group split into nodes
+        layout["num_tokens_per_rdma_rank"] = per_node
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config,
                                                  **layout)
     iters = args.iters

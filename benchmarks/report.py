@@ -97,6 +97,26 @@ def print_normal(report: dict) -> None:
               f"{gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s{fp8}")
 
 
+_INTERNODE_ROWS = (("layout", "layout"), ("dispatch (with counts)", "dispatch"),
+                   ("cached dispatch bf16", "cached_dispatch"), ("cached dispatch fp8", "cached_dispatch_fp8"),
+                   ("combine", "combine"))
+
+
+def print_internode(report: dict) -> None:
+    """The internode rows: measured time, bytes per rank over the network and over NVLink, and
+    the network bytes' time at the NIC rate (the bound a real cluster would set)."""
+    who = f"{report['backend']}" + (f", {report['transport']} transport" if report.get("transport") else "")
+    print(f"\ninternode: {report['nodes']} nodes of {report['gpus_per_node']} ranks ({who}); bytes per rank "
+          f"(largest rank), projected at {report['nic_gbps']:g} GB/s per GPU")
+    print(f"{'path':<48}{'time (us)':>12}{'net MB':>10}{'NVL MB':>10}{'at NIC (us)':>14}")
+    for label, key in _INTERNODE_ROWS:
+        m = report["calls"][key]
+        print(f"{'internode: ' + label:<48}{m['us']:>12.1f}{m['network_bytes'] / 1e6:>10.2f}"
+              f"{m['nvlink_bytes'] / 1e6:>10.2f}{m['nic_us']:>14.1f}")
+    print(f"(rows per rank: {report['network_rows']:.0f} cross nodes, once per token and node; "
+          f"{report['nvlink_rows']:.0f} forwarded inside a node; the combine's network rows are float32 sums)")
+
+
 # Low-latency rows per call, GPU-only figures first: (label, key suffix).
 _LOW_LATENCY_ROWS = (("CUDA graph replay, per call", "graph_us"), ("profiler, device time per call", "profiled_us"),
                      ("one call (host path hidden)", "us"), ("send (hook mode)", "send_us"),
@@ -108,7 +128,9 @@ def print_low_latency(report: dict) -> None:
           f"top-{report['topk']} of {report['experts']} experts, fp8 dispatch, bf16 combine")
     print(f"{'path':<70}{'time (us)':>12}{'GB/s':>10}")
     pair_bytes = report["dispatch_bytes"] + report["combine_bytes"]
-    for backend, name in (("nvlink", "tritonep"), ("deepep", "DeepEP V1"), ("collective", "all_to_all_single path")):
+    split = report.get("internode_traffic", {}).get("gpus_per_node")
+    for backend, name in (("nvlink", "tritonep"), ("internode", f"split into nodes of {split}"),
+                          ("deepep", "DeepEP V1"), ("collective", "all_to_all_single path")):
         m = report.get(backend, {})
         if "missing" in m or "error" in m:
             print(f"{name}: {m.get('missing') or m.get('error')}")
@@ -132,6 +154,14 @@ def print_low_latency(report: dict) -> None:
             print(f"{f'{name}: {kind}, host CPU per call, back to back':<70}"
                   f"{m[f'{kind}_host_back_to_back_us']:>12.1f}")
     print(f"{'host yardstick: torch add_ per call, back to back':<70}{report['torch_add_host_back_to_back_us']:>12.1f}")
+    traffic = report.get("internode_traffic")
+    if traffic:
+        print(f"nodes of {traffic['gpus_per_node']}: rows per rank (largest rank) {traffic['network_rows']:.0f} over "
+              f"the network, {traffic['nvlink_rows']:.0f} over NVLink; at {traffic['nic_gbps']:g} GB/s per GPU")
+        for kind in ("dispatch", "combine"):
+            print(f"{f'  {kind}: network MB / NVLink MB / time at the NIC (us)':<70}"
+                  f"{traffic[f'{kind}_network_bytes'] / 1e6:>8.2f} / {traffic[f'{kind}_nvlink_bytes'] / 1e6:.2f} / "
+                  f"{traffic[f'{kind}_nic_us']:.1f}")
 
 
 def plot(report: dict, path: str) -> None:

@@ -96,3 +96,61 @@ def test_v2_api_beside_v1_on_cpu_ranks(tmp_path, capsys) -> None:
     table = capsys.readouterr().out
     assert "V2 (ElasticBuffer) beside V1 (Buffer): 2 ranks on cpu" in table
     assert all(name in table for name in rows)
+
+
+def test_internode_rows_beside_one_node_rows_on_cpu_ranks(tmp_path, capsys) -> None:
+    """``--gpus-per-node 2`` on 4 CPU ranks: the split group's rows (the collective backend serves
+    it) in the same run as the one-node rows, with bytes per rank and the NIC projection."""
+    main(["--cpu", "--ranks", "4", "--gpus-per-node", "2", "--nic-gbps", "25", "--tokens", "16", "--hidden", "256",
+          "--experts", "16", "--topk", "4", "--iters", "2", "--rounds", "1", "--skip-low-latency",
+          "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["all_to_all_path"]["recv_bytes"] > 0
+    internode = result["internode"]
+    assert (internode["nodes"], internode["gpus_per_node"], internode["backend"]) == (2, 2, "CollectiveBackend")
+    calls = internode["calls"]
+    assert set(calls) == {"layout", "dispatch", "cached_dispatch", "cached_dispatch_fp8", "combine"}
+    assert all(m["us"] > 0 for m in calls.values())
+    assert 0 < internode["network_rows"] <= 16 and 0 < internode["nvlink_rows"] <= 16 * 3
+    bf16 = calls["cached_dispatch"]
+    assert bf16["network_bytes"] == internode["network_rows"] * 512
+    assert abs(bf16["nic_us"] - bf16["network_bytes"] / 25e3) < 1e-9
+    assert calls["combine"]["network_bytes"] == 2 * bf16["network_bytes"]   # float32 partial sums
+    assert calls["cached_dispatch_fp8"]["network_bytes"] == internode["network_rows"] * (256 + 8)
+    table = capsys.readouterr().out
+    assert "internode: 2 nodes of 2 ranks" in table and "internode: cached dispatch fp8" in table
+
+
+def test_internode_traffic_rows_match_a_count_by_hand() -> None:
+    """Rows crossing nodes once per (token, other node); rows forwarded inside a node once per
+    (token, taking rank) but the rank of the sender's local index, which the row lands at."""
+    import torch
+
+    from benchmarks.internode import traffic_rows
+
+    generator = torch.Generator().manual_seed(3)
+    in_rank = torch.rand(50, 6, generator=generator) < 0.4
+    for rank in range(6):
+        network = forwarded = 0
+        for token in in_rank.tolist():
+            for node in range(3):
+                takers = [2 * node + local for local in range(2) if token[2 * node + local]]
+                network += bool(takers) and node != rank // 2
+                forwarded += len([d for d in takers if d != 2 * node + rank % 2])
+        assert traffic_rows(in_rank, rank, 2) == (network, forwarded), rank
+
+
+def test_internode_low_latency_rows_on_cpu_ranks(tmp_path, capsys) -> None:
+    """``--gpus-per-node 2 --skip-normal``: the low-latency calls on the split group beside the
+    other paths, with rows per rank over the network and over NVLink counted from the routing."""
+    main(["--cpu", "--ranks", "4", "--gpus-per-node", "2", "--skip-normal", "--hidden", "256", "--experts", "16",
+          "--topk", "4", "--ll-tokens", "4", "--ll-experts", "8", "--iters", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())["low_latency"]
+    assert result["internode"]["dispatch_us"] > 0 and result["internode"]["combine_us"] > 0
+    traffic = result["internode_traffic"]
+    # 4 tokens x top-4 = 16 rows per rank, each to another node, another rank of this node, or itself.
+    assert 0 < traffic["network_rows"] <= 16 and traffic["network_rows"] + traffic["nvlink_rows"] <= 16
+    assert traffic["dispatch_network_bytes"] == traffic["network_rows"] * (256 + 8)
+    assert traffic["combine_network_bytes"] == traffic["network_rows"] * 512
+    assert abs(traffic["combine_nic_us"] - traffic["combine_network_bytes"] / 50e3) < 1e-9
+    assert "split into nodes of 2: dispatch + combine" in capsys.readouterr().out

@@ -196,12 +196,14 @@ def refused(group, variables: dict[str, str], **kwargs) -> str:
 
 
 def test_split_group_refusals(nvlink_host_pools) -> None:
-    """Before any communication: no num_rdma_bytes, low-latency mode, NVSHMEM under the interpreter."""
+    """Before any communication: no num_rdma_bytes (either mode), NVSHMEM under the interpreter;
+    low-latency mode is made (plain stores under the interpreter)."""
     pool = nvlink_host_pools(4)
     split = {GPUS_PER_NODE_VARIABLE: "2"}
     for message in pool.run(refused, split):
         assert "num_rdma_bytes must be > 0" in message, message
-    for message in pool.run(refused, split, num_rdma_bytes=1 << 20, low_latency_mode=True):
-        assert "no low-latency mode yet" in message, message
+    for message in pool.run(refused, split, low_latency_mode=True):
+        assert "num_rdma_bytes must be > 0" in message, message
+    assert pool.run(refused, split, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True) == [""] * 4
     for message in pool.run(refused, {**split, "TRITONEP_TRANSPORT": "nvshmem"}, num_rdma_bytes=1 << 20):
         assert "NVSHMEM needs one GPU per rank" in message, message

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from tritonep.backends.internode.transport import launch, put_signal, signal_add, wait_signal
+from tritonep.runtime import kernel_names
 
 BLOCK_BYTES = 4096            # the block each rank puts
 SIGNAL_OFFSET = 0             # word the ring's put signals
@@ -24,7 +25,7 @@ LANDING_OFFSET = 8192         # the block from the previous rank
 HEAP_BYTES = 16384
 
 
-@triton.jit
+@kernel_names.jit("tritonep::test::transport_ring")
 def ring_kernel(transport_table, heap_base, rank, num_ranks, epoch, status_ptr, timeout_ns,
                 NBYTES: tl.constexpr, SIGNAL: tl.constexpr, COUNTER: tl.constexpr, SOURCE: tl.constexpr,
                 LANDING: tl.constexpr, PHASE: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr):

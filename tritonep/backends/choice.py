@@ -57,15 +57,12 @@ def check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
 def check_node_split(kind: str, num_nodes: int, ranks_per_node: int, num_rdma_bytes: int = 0,
                      low_latency_mode: bool = False) -> None:
     """Raise if the chosen backend cannot serve a group that spans ``num_nodes`` nodes: on GPUs
-    such a group gets the internode backend, which needs ``num_rdma_bytes`` for its heap and has
-    no low-latency mode yet. Local: runs before any allocation or communication."""
+    such a group gets the internode backend, which needs ``num_rdma_bytes`` for its heap (in
+    either mode). Local: runs before any allocation or communication."""
     if kind != "nvlink" or num_nodes == 1:
         return
     split = (f"the group spans {num_nodes} nodes of {ranks_per_node} ranks ({topology.GPUS_PER_NODE_VARIABLE} "
              f"or DeepEP's nodes of 8)")
-    if low_latency_mode:
-        raise InputError(f"{split}: the internode backend has no low-latency mode yet; the CPU backend (gloo "
-                         f"groups, or TRITONEP_BACKEND=collective) models it")
     if num_rdma_bytes <= 0:
         raise InputError(f"{split}: the internode backend moves rows between nodes through a heap of "
                          f"num_rdma_bytes, so num_rdma_bytes must be > 0 (got {num_rdma_bytes}; ElasticBuffer "
@@ -82,7 +79,7 @@ def make_backend(kind: str, group: dist.ProcessGroup, buffer_id: int, num_nvl_by
     if topology.num_nodes(group.size()) > 1:
         from tritonep.backends.internode.backend import InternodeBackend
 
-        return InternodeBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes)
+        return InternodeBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
     from tritonep.backends.nvlink import NvlinkBackend
 
     return NvlinkBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)

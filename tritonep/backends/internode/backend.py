@@ -1,9 +1,13 @@
-"""The internode backend: groups that span nodes, normal mode.
+"""The internode backend: groups that span nodes.
 
-One heap of ``num_rdma_bytes`` per rank (``memory.TransportHeap``); rows cross nodes through
-the transport (NVSHMEM, or plain stores where NVSHMEM cannot run) and move inside a node over
-the node's own pointers (``engine.py``). Low-latency mode across nodes is not built: a Buffer
-with ``low_latency_mode=True`` on such a group is refused by ``backends/choice.py``.
+One heap of ``num_rdma_bytes`` per rank (``memory.TransportHeap``). Normal mode: rows cross
+nodes through the transport (NVSHMEM, or plain stores where NVSHMEM cannot run) and move inside
+a node over the node's own pointers (``engine.py``). Low-latency mode (a Buffer made with
+``low_latency_mode=True``) runs the NVLink backend's low-latency engine and kernels over the
+heap: every (token, expert) row goes straight to the expert's rank by a store through the
+plain-stores transport's table, the same kernels, hooks, replays, CUDA-graph capture and shrink
+masks as on one node. The heap then belongs to the low-latency calls, so such a Buffer makes no
+normal-mode calls; the NVSHMEM transport has no low-latency kernels yet (docs/INTERNODE.md).
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import torch.distributed as dist
 
 from tritonep.backends import base
 from tritonep.backends.internode.engine import InternodeNormal
-from tritonep.backends.internode.memory import TransportHeap, choose_transport
+from tritonep.backends.internode.memory import TRANSPORT_VARIABLE, TransportHeap, choose_transport
+from tritonep.backends.internode.transport import STORES
+from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
+from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core import topology
 from tritonep.core.checks import InputError
 from tritonep.core.handles import LowLatencyHandle
@@ -21,46 +28,70 @@ from tritonep.core.replay import Replay
 from tritonep.core.routing import dispatch_layout
 from tritonep.runtime.platform import INTERPRET
 
-_LOW_LATENCY = "the internode backend has no low-latency mode yet (docs/INTERNODE.md)"
+_NOT_LOW_LATENCY = ("low-latency calls on the internode backend need a Buffer made with low_latency_mode=True "
+                    "(and num_rdma_bytes from Buffer.get_low_latency_rdma_size_hint(...))")
+_NOT_NORMAL = ("normal-mode calls on the internode backend need a Buffer made with low_latency_mode=False: in "
+               "low-latency mode its num_rdma_bytes heap holds the low-latency calls' slots")
 
 
 class InternodeBackend(base.Backend):
-    def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
+                 low_latency_mode: bool = False) -> None:
         super().__init__(group, buffer_id)
         self._device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
         self.ranks_per_node = topology.ranks_per_node(self.num_ranks)
-        self.heap = TransportHeap(group, num_rdma_bytes, self.ranks_per_node, self._device, choose_transport())
-        self.normal = InternodeNormal(self.heap, self.rank, self.num_ranks, self.ranks_per_node, buffer_id,
-                                      self._device)
+        transport = choose_transport()
+        if low_latency_mode and transport != STORES.value:   # local, alike on every rank: before any allocation
+            raise InputError(f"low-latency mode across nodes runs on the plain-stores transport only (one host: "
+                             f"simulated nodes); set {TRANSPORT_VARIABLE}=stores. Its NVSHMEM puts are not built yet")
+        self.heap = TransportHeap(group, num_rdma_bytes, self.ranks_per_node, self._device, transport)
+        self.normal = None if low_latency_mode else InternodeNormal(
+            self.heap, self.rank, self.num_ranks, self.ranks_per_node, buffer_id, self._device)
+        self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device,
+                                             Tuning.from_environment(), memory=self.heap,
+                                             ranks_per_node=self.ranks_per_node) if low_latency_mode else None
         self._nvl_area = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self._device)
 
     @property
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def normal_mode(self) -> InternodeNormal:
+        if self.normal is None:
+            raise InputError(_NOT_NORMAL)
+        return self.normal
+
+    @property
+    def low_latency(self) -> LowLatencyEngine:
+        if self._low_latency is None:
+            raise InputError(_NOT_LOW_LATENCY)
+        return self._low_latency
+
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
     def dispatch(self, request: base.DispatchRequest) -> base.DispatchResult:
-        return self.normal.dispatch(request)
+        return self.normal_mode.dispatch(request)
 
     def combine(self, request: base.CombineRequest) -> base.CombineResult:
-        return self.normal.combine(request)
+        return self.normal_mode.combine(request)
 
+    # Low-latency mode: the NVLink backend's engine over this heap (module doc).
     def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,
                              replay: Replay | None = None) -> base.LowLatencyDispatchResult:
-        raise InputError(_LOW_LATENCY)
+        return self.low_latency.dispatch(request, self.rank_mask, replay)
 
     def low_latency_combine(self, request: base.LowLatencyCombineRequest,
                             replay: Replay | None = None) -> base.LowLatencyCombineResult:
-        raise InputError(_LOW_LATENCY)
+        return self.low_latency.combine(request, self.rank_mask, replay)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        raise InputError(_LOW_LATENCY)
+        return self.low_latency.get_next_low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        raise InputError(_LOW_LATENCY)
+        self.low_latency.clean(self.rank_mask)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None, offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:
@@ -72,5 +103,7 @@ class InternodeBackend(base.Backend):
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         dist.barrier(group=self.group)
+        if self._low_latency is not None:
+            self._low_latency.release()   # its outputs, and the heap
         self.heap.release()
         self.heap.give_back()

@@ -17,16 +17,17 @@ once, as in one node (bf16 sums would halve the bytes and round twice).
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
 from tritonep.backends.internode.transport import put_signal, signal_add, wait_signal
 from tritonep.device.rows import block_start, channel_range
 from tritonep.device.signals import add_release, fence_system, last_program_done, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_NET_COMBINE_DATA, PHASE_NET_COMBINE_SLOT, PHASE_NODE_COMBINE_DATA
+from tritonep.runtime import kernel_names
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "num_rows", "released_target"])
+@kernel_names.jit("tritonep::internode::stage_rows",
+                  do_not_specialize=["rank", "epoch", "num_rows", "released_target"])
 def stage_kernel(x_ptr, weights_ptr, num_rows, hidden_words, node_peer_ptrs, heap_base, rank, staging_x,
                  staging_weights, epoch, released_target, status_ptr, timeout_ns,
                  STAGED: tl.constexpr, STAGING_FREE: tl.constexpr, DONE: tl.constexpr,
@@ -60,7 +61,8 @@ def stage_kernel(x_ptr, weights_ptr, num_rows, hidden_words, node_peer_ptrs, hea
                     epoch.to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "cap", "kept_rows", "released_target"])
+@kernel_names.jit("tritonep::internode::combine",
+                  do_not_specialize=["rank", "epoch", "cap", "kept_rows", "released_target"])
 def node_reduce_kernel(
     node_peer_ptrs, transport_table, heap_base, rank, prefix_ptr, landing_rows_ptr, kept_pos_ptr, kept_rows,
     hidden, staging_x, staging_weights, partial_send, partial_landing, cap, epoch, released_target,
@@ -119,7 +121,8 @@ def node_reduce_kernel(
             add_release((peer_base + STAGING_FREE + my_local * 8).to(tl.pointer_type(tl.int64)), 1)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "num_tokens", "cap"])
+@kernel_names.jit("tritonep::internode::final_reduce",
+                  do_not_specialize=["rank", "epoch", "num_tokens", "cap"])
 def final_reduce_kernel(
     transport_table, heap_base, rank, node_pos_ptr, num_tokens, hidden, partial_landing, cap,
     bias0_ptr, bias1_ptr, out_ptr, out_weights_ptr, epoch, status_ptr, timeout_ns,

@@ -25,9 +25,11 @@ from tritonep.backends.internode.transport import put_signal, signal_add, wait_s
 from tritonep.device.rows import block_start, channel_range, copy_rows
 from tritonep.device.signals import last_program_done, wait_at_least
 from tritonep.device.status_codes import PHASE_NET_DISPATCH_DATA, PHASE_NET_DISPATCH_SLOT, PHASE_NET_NOTIFY
+from tritonep.runtime import kernel_names
 
 
-@triton.jit(do_not_specialize=["rank", "epoch"])
+@kernel_names.jit("tritonep::internode::notify_dispatch",
+                  do_not_specialize=["rank", "epoch"])
 def notify_kernel(transport_table, heap_base, rank, epoch, status_ptr, timeout_ns,
                   PAYLOAD_SEND: tl.constexpr, PAYLOAD_LANDING: tl.constexpr, PAYLOAD_BYTES: tl.constexpr,
                   FLAG: tl.constexpr, NUM_RANKS: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr):
@@ -40,7 +42,8 @@ def notify_kernel(transport_table, heap_base, rank, epoch, status_ptr, timeout_n
         wait_signal(heap_base, FLAG + source * 8, epoch, status_ptr, timeout_ns, PHASE_NET_NOTIFY, source, GPU)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "released_target", "cap"])
+@kernel_names.jit("tritonep::internode::dispatch",
+                  do_not_specialize=["rank", "epoch", "released_target", "cap"])
 def network_send_kernel(transport_table, heap_base, rank, node_rows_ptr, cap, row_bytes, send, landing, epoch,
                         released_target, status_ptr, timeout_ns,
                         TAIL: tl.constexpr, FREE: tl.constexpr, RANKS_PER_NODE: tl.constexpr,
@@ -80,7 +83,8 @@ def _take_topk(landed, rows, take, out_rows, out_idx_ptr, out_weights_ptr, idx_w
     tl.store(out_weights_ptr + out, tl.where(here, weights, 0.0), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "cap", "num_out_rows", "experts_per_rank"])
+@kernel_names.jit("tritonep::internode::node_receive",
+                  do_not_specialize=["rank", "epoch", "cap", "num_out_rows", "experts_per_rank"])
 def node_receive_kernel(
     # The node's heaps (this rank's node only), the transport, this rank.
     node_peer_ptrs, transport_table, heap_base, rank,

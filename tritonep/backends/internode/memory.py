@@ -113,6 +113,23 @@ class TransportHeap:
     def name(self) -> str:
         return TRANSPORT_NAMES[self.transport]
 
+    # What the low-latency kernels take of an allocation (``nvlink/low_latency/area.py``): they
+    # address every rank's heap by a store through its address, which is the plain-stores
+    # transport's put; the heap starts at offset 0.
+    data_offset = 0
+
+    @property
+    def data_bytes(self) -> int:
+        return self.local.numel()
+
+    @property
+    def peer_base_ptrs(self) -> torch.Tensor:
+        """int64 [R]: each rank's heap as a plain store reaches it (``STORES`` only)."""
+        if self.transport != STORES.value:
+            raise InputError("the low-latency kernels store through heap addresses: they run on the plain-stores "
+                             "transport only")
+        return self.transport_table
+
     def _allocate_nvshmem(self, group: dist.ProcessGroup, nbytes: int,
                           device: torch.device) -> tuple[list[int], list[int]]:
         """torch's NVSHMEM symmetric memory: the heap, every in-node peer's mapping (0 where

@@ -19,11 +19,18 @@ from tritonep.runtime.platform import INTERPRET
 
 class LowLatencyArea:
     """``offset``: where the area starts in the symmetric buffer (the kernels' ``area``);
-    ``my_area``: its device address on this rank (``peer_base_ptrs[rank] + offset``)."""
+    ``my_area``: its device address on this rank (``peer_base_ptrs[rank] + offset``).
 
-    def __init__(self, group: dist.ProcessGroup, num_rdma_bytes: int, device: torch.device) -> None:
+    ``memory``: a symmetric allocation made by someone else (the internode backend's heap), with
+    ``local``, ``data_offset``, ``data_bytes``, ``peer_base_ptrs`` (the address of every rank's
+    allocation that the kernels' stores go through) and ``release()`` as ``SymmetricBuffer``
+    has them; None allocates a ``SymmetricBuffer`` of ``num_rdma_bytes``."""
+
+    def __init__(self, group: dist.ProcessGroup, num_rdma_bytes: int, device: torch.device,
+                 memory: SymmetricBuffer | None = None) -> None:
         self.num_ranks = group.size()
-        self.memory = SymmetricBuffer(group, num_rdma_bytes, device, interpret=INTERPRET)
+        self.memory = memory if memory is not None else \
+            SymmetricBuffer(group, num_rdma_bytes, device, interpret=INTERPRET)
         self.offset = self.memory.data_offset
         self.my_area = self.memory.local.data_ptr() + self.offset
         self.memory.local[self.offset: self.offset + CONTROL_BYTES].zero_()

@@ -67,9 +67,10 @@ class LowLatencyCalls:
     """
 
     __slots__ = ("dispatch_order", "combine_order", "status", "combine_buffer_index", "buffer_id", "device_index",
-                 "rank", "timeout_ns")
+                 "rank", "timeout_ns", "ranks_per_node")
 
-    def __init__(self, buffer_id: int, rank: int, device: torch.device, timeout_ns: int) -> None:
+    def __init__(self, buffer_id: int, rank: int, device: torch.device, timeout_ns: int,
+                 ranks_per_node: int | None = None) -> None:
         self.dispatch_order = CallOrder("low_latency_dispatch")
         self.combine_order = CallOrder("low_latency_combine")
         # Kernels that time out write (phase, peer) straight into this pinned host word, so
@@ -77,6 +78,7 @@ class LowLatencyCalls:
         self.status = StatusWord()
         self.combine_buffer_index = 0
         self.buffer_id, self.rank, self.timeout_ns = buffer_id, rank, timeout_ns
+        self.ranks_per_node = ranks_per_node   # a group split into nodes: errors name them
         self.device_index = device.index if device.type == "cuda" else -1
 
     @property
@@ -98,4 +100,4 @@ class LowLatencyCalls:
                 warnings.warn(masked_after_timeout_message(code, self.rank, self.timeout_ns), RuntimeWarning,
                               stacklevel=4)
                 return
-            raise timeout_error(code, self.rank, self.timeout_ns, "low-latency calls")
+            raise timeout_error(code, self.rank, self.timeout_ns, "low-latency calls", self.ranks_per_node)

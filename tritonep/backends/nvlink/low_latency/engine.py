@@ -62,17 +62,19 @@ _pow2 = triton.next_power_of_2
 class LowLatencyEngine:
     """The NVLink backend's low-latency calls on one Buffer: ``dispatch``, ``combine``, ``clean``
     and the zero-copy buffers, over an allocation of ``num_rdma_bytes``. Its kernels' launch
-    shapes and rows per step, and the time-out, come from ``tuning``. Collective to make."""
+    shapes and rows per step, and the time-out, come from ``tuning``. ``memory``: an allocation
+    to run over instead of a new one (``LowLatencyArea``); ``ranks_per_node``: a group split into
+    nodes, whose time-out errors name the nodes. Collective to make."""
 
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_rdma_bytes: int, device: torch.device,
-                 tuning: Tuning) -> None:
+                 tuning: Tuning, memory: SymmetricBuffer | None = None, ranks_per_node: int | None = None) -> None:
         self.group = group
         self.rank, self.num_ranks = group.rank(), group.size()
         self.buffer_id = buffer_id
         self.device = device
         self.tuning = tuning
-        self.area = LowLatencyArea(group, num_rdma_bytes, device)
-        self.calls = LowLatencyCalls(buffer_id, self.rank, device, tuning.timeout_ns)
+        self.area = LowLatencyArea(group, num_rdma_bytes, device, memory)
+        self.calls = LowLatencyCalls(buffer_id, self.rank, device, tuning.timeout_ns, ranks_per_node)
         self.dispatch_launcher = SendReceiveLauncher(low_latency_dispatch_kernel, _DISPATCH_CHANGING,
                                                      tuning.low_latency_programs_per_sm, tuning.low_latency_warps,
                                                      device)
