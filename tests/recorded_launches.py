@@ -4,6 +4,8 @@ Under Triton's interpreter ``FastLauncher`` learns no compiled launch, so no rep
 Inside ``launches_faked`` the launchers learn and replay as on a GPU, but each learnt launch is a
 stand-in (``RecordedLaunch`` records its argument list) and nothing is compiled or run; the
 tests of both modes' replays compare what the replays launch with what the general path does.
+``launches_counted`` instead lets every launch run (in the interpreter) and logs it, keeping the
+interpreter's torch work out of a count of the call's own.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the copy of topk_idx.
 The kernel reads what a fresh dispatch leaves (the count exchange's result words, the send
 plan's positions, the received rows), which this test builds for one rank of a world by loops
 over (source, token, k); it needs no process group, so one CPU rank of the interpreter pools
-runs every case, and on a GPU one rank runs them with the compiled kernel (larger shapes too,
+runs every case, and on GPUs every rank runs them with the compiled kernel (larger shapes too,
 the later calls of a shape through the launch the first one learnt).
 """
 
@@ -34,18 +34,19 @@ def make_topk(generator: torch.Generator, routing: str, num_tokens: int, num_ran
     num_experts = num_ranks * experts_per_rank
     cpu = dict(generator=generator, dtype=torch.float32, device="cpu")
     if routing in ("empty", "no_expert") or num_tokens == 0:
-        return torch.full((num_tokens, num_topk), -1, dtype=torch.int64)
+        return torch.full((num_tokens, num_topk), -1, dtype=torch.int64, device="cpu")
     if routing == "all_to_one":   # every token to the experts of one rank
-        pool = target * experts_per_rank + torch.arange(experts_per_rank)
+        pool = target * experts_per_rank + torch.arange(experts_per_rank, device="cpu")
         picks = torch.rand(num_tokens, experts_per_rank, **cpu).argsort(dim=1)[:, :num_topk]
-        ids = torch.full((num_tokens, num_topk), -1, dtype=torch.int64)
+        ids = torch.full((num_tokens, num_topk), -1, dtype=torch.int64, device="cpu")
         ids[:, :picks.shape[1]] = pool[picks]
     else:
         scores = torch.rand(num_tokens, num_experts, **cpu)
         if routing == "skewed":   # one hot expert most tokens pick
             scores[:, target * experts_per_rank] += 0.9
         ids = scores.topk(min(num_topk, num_experts), dim=1).indices
-        ids = torch.cat([ids, torch.full((num_tokens, num_topk - ids.shape[1]), -1, dtype=torch.int64)], dim=1)
+        missing = torch.full((num_tokens, num_topk - ids.shape[1]), -1, dtype=torch.int64, device="cpu")
+        ids = torch.cat([ids, missing], dim=1)
         if routing == "repeated":   # an expert twice in a token's top-k
             ids[:, -1] = ids[:, 0]
     ids[torch.rand(num_tokens, num_topk, **cpu) < 0.2] = -1
@@ -59,15 +60,16 @@ def one_rank_of_world(seed: int, routing: str, num_ranks: int, experts_per_rank:
     rows of source -1, expert -1, weight 0), rank_prefix_matrix, the exchange's result words
     and ``rank``'s send plan positions."""
     generator = torch.Generator().manual_seed(seed)
-    target = int(torch.randint(num_ranks, (1,), generator=generator))
-    tokens = [0 if routing == "empty" else int(n) for n in torch.randint(0, T + 1, (num_ranks,), generator=generator)]
+    cpu = dict(generator=generator, device="cpu")   # (GPU runs may set another default device)
+    target = int(torch.randint(num_ranks, (1,), **cpu))
+    tokens = [0 if routing == "empty" else int(n) for n in torch.randint(0, T + 1, (num_ranks,), **cpu)]
     topk = [make_topk(generator, routing, tokens[s], num_ranks, experts_per_rank, num_topk, target)
             for s in range(num_ranks)]
     rank_of = [[{e // experts_per_rank for e in row if e >= 0} for row in ids.tolist()] for ids in topk]
     count_matrix = torch.tensor([[sum(d in ranks for ranks in rank_of[s]) for d in range(num_ranks)]
-                                 for s in range(num_ranks)], dtype=torch.int32)
+                                 for s in range(num_ranks)], dtype=torch.int32, device="cpu")
     prefix = torch.cumsum(count_matrix, 0, dtype=torch.int32)
-    src, ids, pairs_per_source = [], [], torch.zeros(num_ranks, experts_per_rank, dtype=torch.int32)
+    src, ids, pairs_per_source = [], [], torch.zeros(num_ranks, experts_per_rank, dtype=torch.int32, device="cpu")
     for s in range(num_ranks):
         for t, row in enumerate(topk[s].tolist()):
             if rank in rank_of[s][t]:
@@ -78,20 +80,20 @@ def one_rank_of_world(seed: int, routing: str, num_ranks: int, experts_per_rank:
                     if e >= 0:
                         pairs_per_source[s, e] += 1
     rows = len(src) if exact_rows else num_ranks * T
-    recv_src = torch.full((rows,), -1, dtype=torch.int32)
-    recv_idx = torch.full((rows, num_topk), -1, dtype=torch.int64)
-    recv_src[:len(src)] = torch.tensor(src, dtype=torch.int32)
+    recv_src = torch.full((rows,), -1, dtype=torch.int32, device="cpu")
+    recv_idx = torch.full((rows, num_topk), -1, dtype=torch.int64, device="cpu")
+    recv_src[:len(src)] = torch.tensor(src, dtype=torch.int32, device="cpu")
     if ids:
-        recv_idx[:len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    weights = torch.rand(rows, num_topk, generator=generator, dtype=torch.float32)
+        recv_idx[:len(ids)] = torch.tensor(ids, dtype=torch.int64, device="cpu")
+    weights = torch.rand(rows, num_topk, dtype=torch.float32, **cpu)
     weights = torch.where(recv_idx >= 0, weights, 0.0)
     # The exchange's result (notify_kernel.py): prefix, per-expert counts, 2 check words, then
     # the per-source, per-expert inclusive prefix.
-    exchange = torch.cat([prefix.reshape(-1), pairs_per_source.sum(0, dtype=torch.int32),
-                          torch.zeros(2, dtype=torch.int32), torch.cumsum(pairs_per_source, 0).reshape(-1)
-                          .to(torch.int32)])
+    checks = torch.zeros(2, dtype=torch.int32, device="cpu")
+    exchange = torch.cat([prefix.reshape(-1), pairs_per_source.sum(0, dtype=torch.int32), checks,
+                          torch.cumsum(pairs_per_source, 0, dtype=torch.int32).reshape(-1)])
     in_rank = torch.tensor([[d in ranks for d in range(num_ranks)] for ranks in rank_of[rank]],
-                           dtype=torch.bool).reshape(tokens[rank], num_ranks)
+                           dtype=torch.bool, device="cpu").reshape(tokens[rank], num_ranks)
     send_pos = torch.cat([torch.cumsum(in_rank.to(torch.int32), 0) - in_rank.to(torch.int32),
                           in_rank.sum(0, dtype=torch.int32).view(1, -1)]).to(torch.int32)
     return dict(topk_idx=topk[rank], recv_src=recv_src, recv_idx=recv_idx, weights=weights, prefix=prefix,
@@ -115,7 +117,9 @@ def aligned(count: int, alignment: int) -> int:
 # (ranks, experts per rank, top-k, T, scale-up ranks): one tile of everything; scale-up groups;
 # several row tiles, token tiles and groups of experts (slot programs).
 SHAPES = [(1, 4, 2, 5, 1), (3, 2, 3, 9, 3), (4, 3, 4, 20, 2), (2, 16, 8, 300, 2)]
-GPU_SHAPES = SHAPES + [(8, 32, 8, 4096, 8), (1, 256, 8, 4096, 1)]
+# On GPUs also DeepEP's normal problem at one rank and at EP8 (fewer routings and alignments).
+LARGE_SHAPES, LARGE_ROUTINGS, LARGE_ALIGNMENTS = [(8, 32, 8, 4096, 8), (1, 256, 8, 4096, 1)], \
+    ("random", "skewed", "all_to_one"), (1, 128)
 
 
 def request_of(world: dict, shape: tuple[int, int, int, int, int], alignment: int, num_expanded: int | None,
@@ -141,7 +145,7 @@ def case_problems(case: int, shape: tuple[int, int, int, int, int], routing: str
     else:   # V2's worst case (a repeated expert may overflow it: such pairs are dropped)
         num_expanded = aligned(num_ranks * T * min(num_topk, experts_per_rank) + (alignment - 1) * experts_per_rank,
                                alignment)
-    copy, stats = case % 2 == 0, torch.arange(experts_per_rank, dtype=torch.int32) if case % 3 else None
+    copy, stats = case % 2 == 0, torch.arange(experts_per_rank, dtype=torch.int32, device="cpu") if case % 3 else None
     expected_stats = None if stats is None else stats.clone()
     expected = expert_layout(request_of(world, shape, alignment, num_expanded if expand else None, copy,
                                         expected_stats), rank)
@@ -168,14 +172,15 @@ def case_problems(case: int, shape: tuple[int, int, int, int, int], routing: str
     return problems
 
 
-def layout_problems(group: object, shapes: list[tuple[int, int, int, int, int]]) -> list[str]:
+def layout_problems(group: object, shapes: list[tuple[int, int, int, int, int]], routings: tuple[str, ...] = ROUTINGS,
+                    alignments: tuple[int, ...] = (1, 16, 128)) -> list[str]:
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     calls = 2 if on_gpu else 1   # on GPUs, the second through the launch the first one learnt
     problems, case = [], 0
     for shape in shapes:
-        for routing in ROUTINGS:
-            for alignment in (1, 16, 128):
+        for routing in routings:
+            for alignment in alignments:
                 for expand in (False, True):
                     for exact_rows in (True, False):
                         case += 1
@@ -190,4 +195,6 @@ def test_kernel_matches_the_definition(interpreter_pools) -> None:
 
 @pytest.mark.gpu(min_gpus=1)
 def test_gpu_kernel_matches_the_definition(gpu_pool) -> None:
-    assert all(problems == [] for problems in gpu_pool.run(layout_problems, GPU_SHAPES))
+    assert all(problems == [] for problems in gpu_pool.run(layout_problems, SHAPES))
+    assert all(problems == [] for problems in gpu_pool.run(layout_problems, LARGE_SHAPES, LARGE_ROUTINGS,
+                                                           LARGE_ALIGNMENTS))

@@ -82,13 +82,14 @@ def test_expert_layout_kernel_compiles(expand: bool, has_stats: bool, copy_topk:
         dict(exchange_ptr=I32, send_pos_ptr=I32, recv_src_ptr=I32, recv_idx_ptr=I64, recv_weights_ptr=F32,
              topk_idx_ptr=I64, stats_ptr=I32, counts_ptr=I32, psum_expert_ptr=I32, psum_scaleup_ptr=I32,
              metadata_ptr=I32, dst_ptr=I32, other_slots_ptr=BOOL, topk_copy_ptr=I64, slots_ptr=I32, source_ptr=I32,
-             expanded_weights_ptr=F32, num_rows=12345, num_tokens=4000, num_expanded=98765, alignment=128, rank=1,
+             expanded_weights_ptr=F32, num_rows=12345, num_tokens=4000, num_expanded=98765, alignment=128,
+             has_stats=int(has_stats), copy_topk=int(copy_topk), rank=1,
              experts_per_rank=experts_per_rank, num_max_tokens=4096, row_programs=128, token_programs=16,
              source_expert_word=num_ranks * num_ranks + experts_per_rank + 2),
         dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), SCALEUP_RANKS=num_ranks, SCALEUP_PAD=_pow2(num_ranks),
              NUM_TOPK=num_topk, TOPK_PAD=_pow2(num_topk), EXPERTS_PAD=_pow2(experts_per_rank),
              EXPERT_GROUP=min(8, _pow2(experts_per_rank)), BLOCK_ROWS=256, BLOCK_TOKENS=256,
-             BLOCK_SLOTS=256, EXPAND=expand, HAS_STATS=has_stats, COPY_TOPK=copy_topk))
+             BLOCK_SLOTS=256, EXPAND=expand))
 
 
 @pytest.mark.parametrize("has_scales,has_topk,send", [(False, True, True), (True, True, True), (False, False, True),

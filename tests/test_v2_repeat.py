@@ -1,7 +1,9 @@
 """ElasticBuffer's repeated calls (a cached dispatch, a combine) take the replays their engine
 handle learnt, launch exactly what V2's general path launches, and add no torch work to V1's
 repeated calls beyond what V2 returns on top (a copy of the received ids; the weights masked to
-V2's meaning).
+V2's meaning). A fresh V2 dispatch adds to V1's fresh dispatch one launch (the expert-layout
+kernel, which makes the handle's fields) and the allocations of its outputs, and, expanded, the
+gather of the rows into their expanded places.
 
 As in tests/test_normal_repeat.py: a real fresh dispatch on the interpreter makes the handles,
 then the kernels are replaced by stand-ins that record their launches (tests/recorded_launches.py).
@@ -10,6 +12,8 @@ its general path (the engine handle's replay table emptied); launches, result sh
 must be equal. The torch ops a call runs are counted with a dispatch mode, V2's against V1's
 call of the same shape: the host time V2's front end adds is the benchmark's
 (``python -m benchmarks --api v2``), this is the part of it that does not depend on the host.
+The fresh dispatches run for real, the kernels in the interpreter, their launches logged and the
+interpreter's own torch work left out of the count (``recorded_launches.launches_counted``).
 """
 
 from __future__ import annotations

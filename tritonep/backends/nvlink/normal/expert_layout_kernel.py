@@ -42,10 +42,10 @@ def _aligned(counts, alignment):
 
 
 @triton.jit
-def _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, rank, experts_per_rank,
-                    alignment, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SCALEUP_RANKS: tl.constexpr,
-                    SCALEUP_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, EXPAND: tl.constexpr,
-                    HAS_STATS: tl.constexpr):
+def _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
+                    experts_per_rank, alignment, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+                    SCALEUP_RANKS: tl.constexpr, SCALEUP_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                    EXPAND: tl.constexpr):
     experts = tl.arange(0, EXPERTS_PAD)
     expert_mask = experts < experts_per_rank
     counts = tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + experts, mask=expert_mask, other=0)
@@ -56,7 +56,7 @@ def _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_s
         tl.store(psum_expert_ptr + experts, ends - aligned + counts, mask=expert_mask)
     else:
         tl.store(psum_expert_ptr + experts, ends, mask=expert_mask)
-    if HAS_STATS:   # one program writes them: no other program touches the stats
+    if has_stats:   # one program writes them: no other program touches the stats
         stats = tl.load(stats_ptr + experts, mask=expert_mask, other=0)
         tl.store(stats_ptr + experts, stats + counts, mask=expert_mask)
     # Rows from each source (rank_prefix_matrix's column), summed over the sources of each
@@ -106,16 +106,15 @@ def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr,
 
 @triton.jit
 def _token_fields(program, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr, topk_copy_ptr,
-                  num_tokens, rank, experts_per_rank, NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr,
-                  TOPK_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr, COPY_TOPK: tl.constexpr):
+                  copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr,
+                  TOPK_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
     ks = tl.arange(0, TOPK_PAD)
     for t0 in range(program * BLOCK_TOKENS, num_tokens, token_programs * BLOCK_TOKENS):
         tokens = t0 + tl.arange(0, BLOCK_TOKENS)
         mask = (tokens < num_tokens)[:, None] & (ks < NUM_TOPK)[None, :]
         offsets = tokens.to(tl.int64)[:, None] * NUM_TOPK + ks[None, :]
         ids = tl.load(topk_idx_ptr + offsets, mask=mask, other=-1)
-        if COPY_TOPK:
-            tl.store(topk_copy_ptr + offsets, ids, mask=mask)
+        tl.store(topk_copy_ptr + offsets, ids, mask=mask & (copy_topk != 0))
         valid = ids >= 0
         dest = tl.where(valid, ids // experts_per_rank, 0)
         # Rows from lower ranks come first at dest (rank_prefix_matrix[rank - 1, dest]), then
@@ -190,34 +189,34 @@ def _expanded_slots(program, exchange_ptr, recv_idx_ptr, recv_weights_ptr, metad
 
 
 @kernel_names.jit("tritonep::intranode::expert_layout",
-                  do_not_specialize=["num_rows", "num_tokens", "num_expanded", "alignment", "rank", "experts_per_rank",
-                                     "num_max_tokens", "row_programs", "token_programs", "source_expert_word"])
+                  do_not_specialize=["num_rows", "num_tokens", "num_expanded", "alignment", "has_stats", "copy_topk",
+                                     "rank", "experts_per_rank", "num_max_tokens", "row_programs", "token_programs",
+                                     "source_expert_word"])
 def expert_layout_kernel(
     # What the dispatch left: the exchange's result words, the send plan's positions, the received rows.
     exchange_ptr, send_pos_ptr, recv_src_ptr, recv_idx_ptr, recv_weights_ptr, topk_idx_ptr, stats_ptr,
     # The fields (core/expert_layout.py), then those of the expanded layout (placeholders unless EXPAND).
     counts_ptr, psum_expert_ptr, psum_scaleup_ptr, metadata_ptr, dst_ptr, other_slots_ptr, topk_copy_ptr,
     slots_ptr, source_ptr, expanded_weights_ptr,
-    num_rows, num_tokens, num_expanded, alignment,                                    # per call
+    num_rows, num_tokens, num_expanded, alignment, has_stats, copy_topk,              # per call
     rank, experts_per_rank, num_max_tokens, row_programs, token_programs, source_expert_word,   # per shape
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SCALEUP_RANKS: tl.constexpr, SCALEUP_PAD: tl.constexpr,
     NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, EXPERT_GROUP: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
-    EXPAND: tl.constexpr, HAS_STATS: tl.constexpr, COPY_TOPK: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, EXPAND: tl.constexpr,
 ):
     program = tl.program_id(0)
     if program == 0:
-        _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, rank,
+        _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
                         experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
-                        EXPAND, HAS_STATS)
+                        EXPAND)
     elif program <= row_programs:
         _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr,
                     other_slots_ptr, slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK,
                     TOPK_PAD, BLOCK_ROWS, EXPAND)
     elif program <= row_programs + token_programs:
         _token_fields(program - 1 - row_programs, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr,
-                      topk_copy_ptr, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD, BLOCK_TOKENS,
-                      COPY_TOPK)
+                      topk_copy_ptr, copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
+                      BLOCK_TOKENS)
     elif EXPAND:
         _expanded_slots(program - 1 - row_programs - token_programs, exchange_ptr, recv_idx_ptr, recv_weights_ptr,
                         metadata_ptr, slots_ptr, source_ptr, expanded_weights_ptr, num_expanded, rank,
@@ -231,7 +230,7 @@ _EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=(
     "exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr", "stats_ptr",
     "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr", "other_slots_ptr",
     "topk_copy_ptr", "slots_ptr", "source_ptr", "expanded_weights_ptr", "num_rows", "num_tokens", "num_expanded",
-    "alignment"))
+    "alignment", "has_stats", "copy_topk"))
 
 BLOCK_ROWS = BLOCK_TOKENS = BLOCK_SLOTS = 256
 EXPERT_GROUP = 8   # local experts per slot program: each walks its source's rows once for all of them
@@ -279,24 +278,22 @@ def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos
     group = min(EXPERT_GROUP, next_power_of_2(experts_per_rank))
     groups = -(-experts_per_rank // group)
     grid = 1 + row_programs + token_programs + (num_ranks * groups if expand else 0)
-    int32 = placeholders(torch.int32)
-    stats = request.stats
+    stats, int32 = request.stats, placeholders(torch.int32)
     _EXPERT_LAYOUT(
-        grid, (launch_generation, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand, stats is not None,
-               topk_copy is not None),
+        grid, (launch_generation, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand),
+        # The kernel's argument groups, in its order.
         (exchange, send_pos, handle.recv_src_idx, recv_idx, request.recv_topk_weights, request.topk_idx,
          stats if stats is not None else int32,
          counts, psum_expert, psum_scaleup, metadata, dst, other_slots,
          topk_copy if topk_copy is not None else placeholders(torch.int64),
          slots if slots is not None else int32, source if source is not None else int32,
          weights if weights is not None else placeholders(torch.float32),
-         num_rows, num_tokens, num_expanded, request.expert_alignment,
+         num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
+         int(topk_copy is not None),
          rank, experts_per_rank, T, row_programs, token_programs, source_expert_word(num_ranks, experts_per_rank)),
         lambda: dict(NUM_RANKS=num_ranks, RANKS_PAD=next_power_of_2(num_ranks), SCALEUP_RANKS=num_scaleup,
                      SCALEUP_PAD=next_power_of_2(num_scaleup), NUM_TOPK=num_topk, TOPK_PAD=next_power_of_2(num_topk),
                      EXPERTS_PAD=next_power_of_2(experts_per_rank), EXPERT_GROUP=group, BLOCK_ROWS=BLOCK_ROWS,
-                     BLOCK_TOKENS=BLOCK_TOKENS,
-                     BLOCK_SLOTS=BLOCK_SLOTS, EXPAND=expand, HAS_STATS=stats is not None,
-                     COPY_TOPK=topk_copy is not None), 4)
+                     BLOCK_TOKENS=BLOCK_TOKENS, BLOCK_SLOTS=BLOCK_SLOTS, EXPAND=expand), 4)
     return ExpertLayout(counts, psum_expert, psum_scaleup, metadata, dst, other_slots,
                         topk_copy if topk_copy is not None else request.topk_idx, slots, source, weights)
