@@ -3,12 +3,13 @@
 A fresh V2 dispatch is a V1 dispatch of the same routing (``get_dispatch_layout``, then
 ``dispatch`` with ``num_worst_tokens = R * T`` when there is no CPU sync), followed by the
 handle's fields, which the backend works out from what its dispatch left
-(``Backend.expert_layout``: one launch on the NVLink backend, plain torch on the collective one,
-:mod:`tritonep.core.expert_layout` defines them) and, for ``do_expand``, the rows copied to their
-expanded places (:mod:`tritonep.v2.expand`). A cached dispatch is the engine's cached dispatch, or, when it also
-carries top-k weights (which an engine's cached dispatch does not move), a fresh engine dispatch
-of the handle's top-k. Combine masks the weights to V2's meaning and, expanded, first sums each
-token's expert rows. Everything runs inside the caller's stream scope (``runtime/streams.py``).
+(``Backend.expert_layout``: one launch on the NVLink backend, plain torch on the collective one;
+:mod:`tritonep.core.expert_layout` defines them), and, for ``do_expand``, the rows copied to
+their expanded places (:mod:`tritonep.v2.expand`). A cached dispatch is the engine's cached
+dispatch, or, when it also carries top-k weights (which an engine's cached dispatch does not
+move), a fresh engine dispatch of the handle's top-k. Combine masks the weights to V2's meaning
+and, expanded, first sums each token's expert rows. Everything runs inside the caller's stream
+scope (``runtime/streams.py``).
 """
 
 from __future__ import annotations

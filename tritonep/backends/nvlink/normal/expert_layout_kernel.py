@@ -126,9 +126,9 @@ def _token_fields(program, token_programs, exchange_ptr, send_pos_ptr, topk_idx_
 
 @triton.jit
 def _expanded_slots(program, exchange_ptr, recv_idx_ptr, recv_weights_ptr, metadata_ptr, slots_ptr, source_ptr,
-                    expanded_weights_ptr, num_expanded, rank, experts_per_rank, alignment,
+                    expanded_weights_ptr, num_expanded, rank, experts_per_rank, alignment, source_expert_word,
                     NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                    EXPERT_GROUP: tl.constexpr, BLOCK_SLOTS: tl.constexpr, source_expert_word):
+                    EXPERT_GROUP: tl.constexpr, BLOCK_SLOTS: tl.constexpr):
     groups = tl.cdiv(experts_per_rank, EXPERT_GROUP)
     source = program // groups
     experts = (program % groups) * EXPERT_GROUP + tl.arange(0, EXPERT_GROUP)
@@ -220,8 +220,8 @@ def expert_layout_kernel(
     elif EXPAND:
         _expanded_slots(program - 1 - row_programs - token_programs, exchange_ptr, recv_idx_ptr, recv_weights_ptr,
                         metadata_ptr, slots_ptr, source_ptr, expanded_weights_ptr, num_expanded, rank,
-                        experts_per_rank, alignment, NUM_RANKS, NUM_TOPK, EXPERTS_PAD, EXPERT_GROUP, BLOCK_SLOTS,
-                        source_expert_word)
+                        experts_per_rank, alignment, source_expert_word, NUM_RANKS, NUM_TOPK, EXPERTS_PAD,
+                        EXPERT_GROUP, BLOCK_SLOTS)
 
 
 # Per call the tensors and the sizes change; the shape (ranks, T, top-k, experts, options) is the
