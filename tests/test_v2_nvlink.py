@@ -107,13 +107,13 @@ def test_nvlink_backend_serves_elastic_buffer(interpreter_pools, alignment):
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("alignment", [1, 16, 128])
+@pytest.mark.parametrize("alignment", [1, 128])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gpu_nvlink_backend_serves_elastic_buffer(gpu_pool, strategy, alignment):
-    """The same on GPUs: the NVLink kernels against the collective backend on NCCL, every routing."""
+    """The same on GPUs: the NVLink kernels against the collective backend on NCCL, every routing
+    (alignment 16 is among the expert-layout kernel's own GPU cases)."""
     world = build_world(gpu_pool.num_ranks, seed=100 * STRATEGIES.index(strategy) + alignment, strategy=strategy,
-                        H=256, E_local=3, K=4, alignment=alignment, num_biases=alignment % 3,
-                        col_major_scales=alignment == 16)
+                        H=256, E_local=3, K=4, alignment=alignment, num_biases=1, col_major_scales=alignment > 1)
     gpu_pool.run(case_backends_agree, world)
 
 
