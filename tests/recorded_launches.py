@@ -4,6 +4,8 @@ Under Triton's interpreter ``FastLauncher`` learns no compiled launch, so no rep
 Inside ``launches_faked`` the launchers learn and replay as on a GPU, but each learnt launch is a
 stand-in (``RecordedLaunch`` records its argument list) and nothing is compiled or run; the
 tests of both modes' replays compare what the replays launch with what the general path does.
+``launches_counted`` instead lets every launch run (in the interpreter) and logs it, keeping the
+interpreter's torch work out of a count of the call's own.
 """
 
 from __future__ import annotations
@@ -69,6 +71,31 @@ def launches_faked(fast_launchers: tuple, setup: type, replay_modules: tuple[Mod
             item.kernel = kernel
             item.setups.clear()
             item.setups.update(setups)
+
+
+@contextlib.contextmanager
+def launches_counted() -> Iterator[list[tuple[str, int]]]:
+    """Inside, every FastLauncher launch runs as usual and is logged as (kernel name, grid) in the
+    list yielded. It runs with torch's dispatch modes off, so that a TorchDispatchMode around a
+    call counts the torch ops of the call's host path, not those the interpreter runs a kernel
+    with."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from tritonep.runtime.launcher import FastLauncher
+
+    log: list[tuple[str, int]] = []
+    launch = FastLauncher.__call__
+
+    def logged(self: FastLauncher, grid: int, *args: object) -> object:
+        log.append((self.kernel.profiler_name, grid))
+        with _disable_current_modes():
+            return launch(self, grid, *args)
+
+    FastLauncher.__call__ = logged
+    try:
+        yield log
+    finally:
+        FastLauncher.__call__ = launch
 
 
 def normal_launches_recorded() -> contextlib.AbstractContextManager:

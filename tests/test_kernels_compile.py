@@ -22,6 +22,7 @@ from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dis
 from tritonep.backends.nvlink.normal.combine_copy_engine import combine_piece_signal_kernel, combine_weights_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.layout_kernel import LAYOUT_WARPS, dispatch_layout_kernel, layout_constants  # noqa: E402
 from tritonep.backends.nvlink.normal.notify_kernel import notify_dispatch_kernel  # noqa: E402
 from tritonep.runtime.kernel_names import mangled  # noqa: E402
@@ -72,6 +73,26 @@ def test_notify_kernel_compiles(exchange: bool) -> None:
                             status_ptr=I64, timeout_ns=60 * 10**9),
                        dict(NOTIFY_FLAG_WORD=0, PAYLOAD_BYTE_OFFSET=8192, PAYLOAD_WORDS=1035, EXPERT_WORDS=1024,
                             SIGNATURE=8, NUM_RANKS=3, RANKS_PAD=4, EXPERTS_PAD=128, BLOCK_T=256, EXCHANGE=exchange))
+
+
+@pytest.mark.parametrize("expand,has_stats,copy_topk,num_ranks,num_topk,experts_per_rank", [
+    (False, False, True, 8, 8, 32), (True, True, False, 3, 8, 32), (True, False, True, 1, 6, 256),
+    (True, True, True, 2, 1, 1)])
+def test_expert_layout_kernel_compiles(expand: bool, has_stats: bool, copy_topk: bool, num_ranks: int, num_topk: int,
+                                       experts_per_rank: int) -> None:
+    compile_for_hopper(
+        expert_layout_kernel,
+        dict(exchange_ptr=I32, send_pos_ptr=I32, recv_src_ptr=I32, recv_idx_ptr=I64, recv_weights_ptr=F32,
+             topk_idx_ptr=I64, stats_ptr=I32, counts_ptr=I32, psum_expert_ptr=I32, psum_scaleup_ptr=I32,
+             metadata_ptr=I32, dst_ptr=I32, other_slots_ptr=BOOL, topk_copy_ptr=I64, slots_ptr=I32, source_ptr=I32,
+             expanded_weights_ptr=F32, num_rows=12345, num_tokens=4000, num_expanded=98765, alignment=128,
+             has_stats=int(has_stats), copy_topk=int(copy_topk), rank=1,
+             experts_per_rank=experts_per_rank, num_max_tokens=4096, row_programs=128, token_programs=16,
+             source_expert_word=num_ranks * num_ranks + experts_per_rank + 2),
+        dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), SCALEUP_RANKS=num_ranks, SCALEUP_PAD=_pow2(num_ranks),
+             NUM_TOPK=num_topk, TOPK_PAD=_pow2(num_topk), EXPERTS_PAD=_pow2(experts_per_rank),
+             EXPERT_GROUP=min(8, _pow2(experts_per_rank)), BLOCK_ROWS=256, BLOCK_TOKENS=256,
+             BLOCK_SLOTS=256, EXPAND=expand))
 
 
 # (send, receive): the send half, the receive half, or both in one launch.

@@ -1,9 +1,11 @@
 """ElasticBuffer on the NVLink backend (its Triton kernels under Triton's interpreter, gloo, CPU
-tensors) against the same calls on the collective backend: V2's front end needs nothing of an
-engine beyond the Backend interface, so the NVLink backend serves it as it is.
+tensors; or on GPUs) against the same calls on the collective backend: V2's front end needs
+nothing of an engine beyond the Backend interface, so the NVLink backend serves it as it is.
 
-Dispatch outputs and every handle field must match bit for bit; combine within float32
-accumulation order. Marked ``interpreter`` by conftest (it uses ``interpreter_pools``).
+Dispatch outputs, every handle field (worked out by the NVLink backend's expert-layout kernel,
+by plain torch on the collective backend) and the running stats must match bit for bit; combine
+within float32 accumulation order. The interpreter tests are marked ``interpreter`` by conftest
+(they use ``interpreter_pools``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 
 import pytest
 import torch
-from v2_world import build_world, fp8_input
+from v2_world import STRATEGIES, build_world, fp8_input
 
 
 def _buffer(group, backend: str, world):
@@ -21,7 +23,8 @@ def _buffer(group, backend: str, world):
     previous = os.environ.get("TRITONEP_BACKEND")
     os.environ["TRITONEP_BACKEND"] = backend
     try:
-        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=world.T, hidden=world.H, num_topk=world.K)
+        return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=world.T, hidden=world.H, num_topk=world.K,
+                                     explicitly_destroy=True)
     finally:
         if previous is None:
             os.environ.pop("TRITONEP_BACKEND")
@@ -39,12 +42,30 @@ def _calls(group, backend: str, world) -> tuple[list, list]:
     """(exact outputs, combine outputs) of one V2 round trip on ``backend``."""
     rank = group.rank()
     buffer = _buffer(group, backend, world)
-    assert type(buffer.backend).__name__ == {"nvlink": "NvlinkBackend", "collective": "CollectiveBackend"}[backend]
-    x, topk, weights, x2 = world.x[rank], world.topk[rank], world.weights[rank], world.x2[rank]
-    bias = world.biases[rank][0] if world.biases[rank] else None
+    try:
+        return _round_trip(buffer, world, rank)
+    finally:
+        buffer.destroy()
+
+
+def _round_trip(buffer, world, rank: int) -> tuple[list, list]:
+    assert type(buffer.backend).__name__ in ("NvlinkBackend", "CollectiveBackend")
+    on = buffer.device
+    x, topk, weights, x2 = (tensor.to(on) for tensor in (world.x[rank], world.topk[rank], world.weights[rank],
+                                                           world.x2[rank]))
+    bias = world.biases[rank][0].to(on) if world.biases[rank] else None
+    fp8 = tuple(tensor.to(on) for tensor in fp8_input(world, rank))   # (.to keeps column-major scales)
     kwargs = dict(topk_idx=topk, topk_weights=weights, num_experts=world.E, expert_alignment=world.alignment,
                   num_sms=4)
     exact, combined = [], []
+    # Fresh dispatches in each layout: every handle field, and the running stats.
+    stats = torch.zeros(world.E_local, dtype=torch.int32, device=on)
+    n_x, n_idx, n_w, n_handle, _ = buffer.dispatch(x, do_cpu_sync=False, cumulative_local_expert_recv_stats=stats,
+                                                   **kwargs)
+    s_x, _, s_w, s_handle, _ = buffer.dispatch(x, do_expand=True, cumulative_local_expert_recv_stats=stats,
+                                               **kwargs)
+    real = int(n_handle.psum_num_recv_tokens_per_scaleup_rank[-1])   # rows past these are padding, left unset
+    exact += [n_x[:real], n_idx, n_w, *_fields(n_handle), s_x, s_w, *_fields(s_handle), stats]
     recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(x, **kwargs)
     cached = buffer.dispatch(x2, handle=handle)[0]
     exact += [recv_x, recv_idx, recv_w, *_fields(handle), cached]
@@ -57,8 +78,8 @@ def _calls(group, backend: str, world) -> tuple[list, list]:
         again = buffer.combine(recv_x, handle, topk_weights=recv_w)
         assert torch.equal(again[0], buffer.combine(recv_x, handle, topk_weights=recv_w)[0])
     combined.append(again[0])
-    (data, scales), _, e_w, e_handle, _ = buffer.dispatch(fp8_input(world, rank), do_expand=True,
-                                                          do_zero_padding=True, do_cpu_sync=False, **kwargs)
+    (data, scales), _, e_w, e_handle, _ = buffer.dispatch(fp8, do_expand=True, do_zero_padding=True,
+                                                          do_cpu_sync=False, **kwargs)
     exact += [data.view(torch.uint8), scales, e_w, *_fields(e_handle)]
     c_x, _, c_w, _, _ = buffer.dispatch(x2, handle=e_handle, topk_weights=weights, do_expand=True,
                                         do_zero_padding=True)
@@ -83,3 +104,64 @@ def test_nvlink_backend_serves_elastic_buffer(interpreter_pools, alignment):
     world = build_world(2, seed=alignment, H=128, E_local=2, K=3, alignment=alignment, num_biases=1,
                         col_major_scales=True)
     interpreter_pools(2).run(case_backends_agree, world)
+
+
+@pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("alignment", [1, 128])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gpu_nvlink_backend_serves_elastic_buffer(gpu_pool, strategy, alignment):
+    """The same on GPUs: the NVLink kernels against the collective backend on NCCL, every routing
+    (alignment 16 is among the expert-layout kernel's own GPU cases)."""
+    world = build_world(gpu_pool.num_ranks, seed=100 * STRATEGIES.index(strategy) + alignment, strategy=strategy,
+                        H=256, E_local=3, K=4, alignment=alignment, num_biases=1, col_major_scales=alignment > 1)
+    gpu_pool.run(case_backends_agree, world)
+
+
+def captured_dispatch_matches_eager(group) -> list[str]:
+    """A dispatch without CPU sync (expanded or not) captured in a CUDA graph: the capture must
+    not sync with the host, and one replay gives what the same call gave eagerly (outputs and
+    every handle field, which the expert-layout kernel makes inside the graph)."""
+    import tritonep as deep_ep
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cpu = dict(generator=torch.Generator().manual_seed(group.rank()), dtype=torch.float32, device="cpu")
+    T, H, K, E = 64, 256, 4, 4 * group.size()
+    x = torch.randn(T, H, **cpu).to(torch.bfloat16).to(device)
+    topk_idx = torch.rand(T, E, **cpu).topk(K, dim=1).indices.to(device)
+    weights = torch.rand(T, K, **cpu).to(device)
+    problems = []
+    for expand in (False, True):
+        # A buffer per capture: a call after the replay would check the eager call's padding
+        # against an exchange the replay has overwritten (the engine leaves that check to the
+        # next call, and skips it during capture).
+        buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                                       explicitly_destroy=True)
+
+        def dispatch(buffer: deep_ep.ElasticBuffer = buffer, expand: bool = expand) -> list:
+            recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(
+                x, topk_idx=topk_idx, topk_weights=weights, num_experts=E, expert_alignment=16, do_cpu_sync=False,
+                do_expand=expand, do_zero_padding=expand)
+            return [recv_x, recv_idx, recv_w, *_fields(handle)]
+
+        try:
+            eager = dispatch()   # (also compiles every kernel outside the capture)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = dispatch()
+            graph.replay()
+            torch.cuda.synchronize()
+        finally:
+            buffer.destroy()
+        if not expand:   # rows past the received ones are padding, left unset
+            real = int(eager[6][-1])   # psum_num_recv_tokens_per_scaleup_rank
+            eager[0], captured[0] = eager[0][:real], captured[0][:real]
+        for index, (a, b) in enumerate(zip(eager, captured)):
+            if not (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b):
+                problems.append(f"rank {group.rank()} expand={expand}: output {index} differs after the replay")
+    return problems
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_dispatch_without_cpu_sync_in_a_cuda_graph(gpu_pool):
+    assert gpu_pool.run(captured_dispatch_matches_eager) == [[]] * gpu_pool.num_ranks

@@ -1,7 +1,9 @@
 """ElasticBuffer's repeated calls (a cached dispatch, a combine) take the replays their engine
 handle learnt, launch exactly what V2's general path launches, and add no torch work to V1's
 repeated calls beyond what V2 returns on top (a copy of the received ids; the weights masked to
-V2's meaning).
+V2's meaning). A fresh V2 dispatch adds to V1's fresh dispatch one launch (the expert-layout
+kernel, which makes the handle's fields) and the allocations of its outputs, and, expanded, the
+gather of the rows into their expanded places.
 
 As in tests/test_normal_repeat.py: a real fresh dispatch on the interpreter makes the handles,
 then the kernels are replaced by stand-ins that record their launches (tests/recorded_launches.py).
@@ -10,6 +12,8 @@ its general path (the engine handle's replay table emptied); launches, result sh
 must be equal. The torch ops a call runs are counted with a dispatch mode, V2's against V1's
 call of the same shape: the host time V2's front end adds is the benchmark's
 (``python -m benchmarks --api v2``), this is the part of it that does not depend on the host.
+The fresh dispatches run for real, the kernels in the interpreter, their launches logged and the
+interpreter's own torch work left out of the count (``recorded_launches.launches_counted``).
 """
 
 from __future__ import annotations
@@ -183,6 +187,82 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
 def test_repeats_take_the_replays_and_launch_what_the_general_path_launches(interpreter_pools) -> None:
     for num_ranks in (1, 2):
         problems = interpreter_pools(num_ranks).run(replays_match_general_path)
+        assert problems == [[]] * num_ranks
+
+
+# What a fresh V2 dispatch may add to V1's (get_dispatch_layout, then dispatch) on the NVLink
+# backend: the expert-layout launch and its outputs (counts, two prefix sums, source metadata,
+# destination rows, the slots elsewhere, the copy of topk_idx), and, expanded, three more
+# outputs (slots, source rows, weights) and the gather of the rows into their expanded places
+# (zero padding: the padding rows zeroed).
+FRESH_LAUNCHES = ["tritonep::intranode::expert_layout"]
+FRESH_OPS = Counter({"aten.empty": 7})
+EXPANDED_OPS = FRESH_OPS + Counter({"aten.empty": 3, "aten.clamp": 1, "aten.index_select": 1})
+ZERO_PADDING_OPS = EXPANDED_OPS + Counter({"aten.lt": 1, "aten.view": 1, "aten.masked_fill_": 1})
+# On CPU ranks V1 reads the range of the expert ids back twice (get_dispatch_layout, dispatch),
+# V2 once (on GPUs neither does: the layout kernel counts bad ids).
+V1_ONLY_ON_CPU = Counter({"aten.min": 1, "aten.max": 1, "aten._local_scalar_dense": 2})
+
+
+def fresh_dispatch_work(group: dist.ProcessGroup) -> list[str]:
+    """The launches and torch ops a fresh V2 dispatch adds to V1's fresh dispatch of the same
+    routing, with and without a CPU sync, expanded or not: each call runs for real (kernels in
+    the interpreter, whose own torch work is not counted: recorded_launches.launches_counted),
+    after a first call of its shape."""
+    from recorded_launches import launches_counted
+
+    generator = torch.Generator().manual_seed(group.rank())
+    x = torch.randn(TOKENS, HIDDEN, generator=generator, dtype=torch.float32).to(torch.bfloat16)
+    topk_idx = torch.rand(TOKENS, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
+    weights = torch.rand(TOKENS, TOPK, generator=generator, dtype=torch.float32)
+    v1, v2 = _buffers(group)
+    config = deep_ep.Config(NUM_SMS)
+
+    def v1_fresh(num_worst_tokens: int) -> Callable[[], object]:
+        def call() -> object:
+            per_rank, _, per_expert, in_rank, _ = v1.get_dispatch_layout(topk_idx, EXPERTS)
+            return v1.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights,
+                               num_worst_tokens=num_worst_tokens, config=config)
+        return call
+
+    def v2_fresh(**options: object) -> Callable[[], object]:
+        return lambda: v2.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=EXPERTS, num_sms=NUM_SMS,
+                                   **options)
+
+    worst = group.size() * TOKENS
+    pairs = {"fresh": (v1_fresh(0), v2_fresh(), FRESH_OPS),
+             "fresh, no CPU sync": (v1_fresh(worst), v2_fresh(do_cpu_sync=False), FRESH_OPS),
+             "fresh, expanded": (v1_fresh(0), v2_fresh(do_expand=True), EXPANDED_OPS),
+             "fresh, no CPU sync, expanded, zero padding": (
+                 v1_fresh(worst), v2_fresh(do_cpu_sync=False, do_expand=True, do_zero_padding=True), ZERO_PADDING_OPS)}
+    problems = []
+    try:
+        with launches_counted() as launches:
+            for what, (v1_call, v2_call, expected_ops) in pairs.items():
+                counted = []
+                for call in (v1_call, v2_call):
+                    call()   # the first call of a shape makes what later ones reuse
+                    launches.clear()
+                    counted.append((torch_ops(call), [name for name, _ in launches]))
+                (v1_ops, v1_launches), (v2_ops, v2_launches) = counted
+                added_launches = [name for name in v2_launches if name not in v1_launches]
+                if added_launches != FRESH_LAUNCHES or v2_launches[:len(v1_launches)] != v1_launches:
+                    problems.append(f"{what}: V2 launches {v2_launches}, V1 {v1_launches}: expected V1's and "
+                                    f"{FRESH_LAUNCHES}")
+                if v2_ops - v1_ops != expected_ops or v1_ops - v2_ops != V1_ONLY_ON_CPU:
+                    problems.append(f"{what}: V2 runs {dict(v2_ops - v1_ops)} more torch ops than V1 and "
+                                    f"{dict(v1_ops - v2_ops)} fewer, expected {dict(expected_ops)} more and "
+                                    f"{dict(V1_ONLY_ON_CPU)} fewer")
+    finally:
+        v1.destroy()
+        v2.destroy()
+    return problems
+
+
+def test_fresh_dispatch_adds_one_launch_and_its_outputs(interpreter_pools) -> None:
+    for num_ranks in (1, 2):
+        problems = interpreter_pools(num_ranks).run(fresh_dispatch_work)
         assert problems == [[]] * num_ranks
 
 

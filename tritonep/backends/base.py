@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.core.config import Config
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 from tritonep.core.replay import Replay
 
@@ -161,6 +162,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def combine(self, request: CombineRequest) -> CombineResult:
         ...
+
+    @abc.abstractmethod
+    def expert_layout(self, request: ExpertLayoutRequest) -> ExpertLayout:
+        """Where the rows of a fresh dispatch (``request.handle``, made by this backend) sit by
+        expert, source and destination: DeepEP V2's handle fields, as ``core/expert_layout.py``
+        defines them. Queued after the dispatch on the current stream, with no host sync."""
 
     # ---- low-latency mode ----------------------------------------------------------------
     @abc.abstractmethod

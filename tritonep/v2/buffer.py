@@ -2,9 +2,10 @@
 
 It checks every call once (``v2/checks.py``), picks the streams (``runtime/streams.py``), hands
 requests to one backend and builds V2's outputs from the backend's (``v2/calls.py``, with
-``v2/layout.py`` and ``v2/expand.py``). The constructor, methods, arguments and return values
-follow ``deep_ep.ElasticBuffer``; where V2 speaks of RDMA queue pairs, CPU memory or its hybrid
-kernels, the docstrings say what the value means here.
+``v2/expand.py``; the handle's fields come from the backend's ``expert_layout``). The
+constructor, methods, arguments and return values follow ``deep_ep.ElasticBuffer``; where V2
+speaks of RDMA queue pairs, CPU memory or its hybrid kernels, the docstrings say what the value
+means here.
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 
 A fresh V2 dispatch is a V1 dispatch of the same routing (``get_dispatch_layout``, then
 ``dispatch`` with ``num_worst_tokens = R * T`` when there is no CPU sync), followed by the
-handle's fields (:mod:`tritonep.v2.layout`) and, for ``do_expand``, the expanded layout
-(:mod:`tritonep.v2.expand`). A cached dispatch is the engine's cached dispatch, or, when it also
-carries top-k weights (which an engine's cached dispatch does not move), a fresh engine dispatch
-of the handle's top-k. Combine masks the weights to V2's meaning and, expanded, first sums each
-token's expert rows. Everything runs inside the caller's stream scope (``runtime/streams.py``).
+handle's fields, which the backend works out from what its dispatch left
+(``Backend.expert_layout``: one launch on the NVLink backend, plain torch on the collective one;
+:mod:`tritonep.core.expert_layout` defines them), and, for ``do_expand``, the rows copied to
+their expanded places (:mod:`tritonep.v2.expand`). A cached dispatch is the engine's cached
+dispatch, or, when it also carries top-k weights (which an engine's cached dispatch does not
+move), a fresh engine dispatch of the handle's top-k. Combine masks the weights to V2's meaning
+and, expanded, first sums each token's expert rows. Everything runs inside the caller's stream
+scope (``runtime/streams.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 from tritonep.backends.base import Backend, CombineRequest, DispatchRequest, DispatchResult
 from tritonep.core.config import Config
 from tritonep.core.event import EventOverlap
-from tritonep.v2 import expand, layout
+from tritonep.core.expert_layout import ExpertLayoutRequest, expand_weights
+from tritonep.v2 import expand
 from tritonep.v2.checks import CombineCall, DispatchCall
 from tritonep.v2.handle import EPHandle, HandleState
 
@@ -69,7 +73,7 @@ class Received:
         return (self.x, self.scales, self.topk_idx, self.topk_weights, handle.topk_idx,
                 handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
                 handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata, handle.dst_buffer_slot_idx,
-                state.recv_topk_idx, state.slots)
+                state.recv_topk_idx, state.other_slots, state.slots, state.expanded_source)
 
 
 def wait_for(event: EventOverlap | None) -> None:
@@ -101,18 +105,18 @@ def _engine_dispatch(engine: Engine, call: DispatchCall, weights: torch.Tensor, 
 
 
 def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
-    """A dispatch without a handle: the engine's, then the handle's fields and the layout."""
+    """A dispatch without a handle: the engine's, then the handle's fields from the backend
+    (one launch on the NVLink backend) and, expanded, the rows in their expanded places."""
     R, T = engine.num_ranks, call.num_max_tokens_per_rank
     num_tokens, num_topk = call.topk_idx.shape
     experts_per_rank = call.num_experts // R
-    device = call.x.device
     # The engines move top-k weights with top-k ids; V2 lets a dispatch go without weights.
     weights = call.topk_weights if call.topk_weights is not None else \
-        torch.zeros(num_tokens, num_topk, dtype=torch.float32, device=device)
+        torch.zeros(num_tokens, num_topk, dtype=torch.float32, device=call.x.device)
     result = _engine_dispatch(engine, call, weights, 0 if call.do_cpu_sync else R * T, options.num_sms)
     wait_for(options.before_epilogue)
-    engine_handle, recv_idx = result.handle, result.recv_topk_idx
-    assert recv_idx is not None and result.recv_topk_weights is not None
+    engine_handle, recv_idx, recv_weights = result.handle, result.recv_topk_idx, result.recv_topk_weights
+    assert recv_idx is not None and recv_weights is not None
     rows = engine_handle.num_recv_rows
     if call.do_cpu_sync:
         expert_list = list(result.num_recv_tokens_per_expert_list or [])
@@ -121,31 +125,25 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
         expert_list = []
         num_recv = R * T
         num_expanded = expand.worst_expanded_rows(R, T, num_topk, experts_per_rank, call.expert_alignment)
-    slots = starts = None
-    recv_x, recv_scales, recv_weights = result.recv_x, result.recv_x_scales, result.recv_topk_weights
+    fields = engine.backend.expert_layout(ExpertLayoutRequest(
+        engine_handle, call.topk_idx, recv_idx, recv_weights, experts_per_rank, call.expert_alignment, T,
+        engine.num_scaleup_ranks, num_expanded if call.do_expand else None, options.do_handle_copy, options.stats))
+    recv_x, recv_scales = result.recv_x, result.recv_x_scales
     if call.do_expand:
-        slots, counts, starts = expand.expert_slots(recv_idx, experts_per_rank, call.expert_alignment)
-        recv_x = expand.expand_rows(recv_x, slots, num_expanded, options.do_zero_padding)
+        assert fields.expanded_source is not None
+        recv_x = expand.expand_rows(recv_x, fields.expanded_source, options.do_zero_padding)
         if recv_scales is not None:
-            recv_scales = expand.expand_rows(recv_scales, slots, num_expanded, options.do_zero_padding)
-        recv_weights = expand.expand_weights(recv_weights, slots, num_expanded)
-    else:
-        counts = layout.expert_counts(recv_idx, experts_per_rank)
-    if options.stats is not None:
-        options.stats.add_(counts)
-    per_source = layout.rows_from_rank(engine_handle, engine.rank)
-    state = HandleState(engine.buffer_id, engine_handle, recv_idx, recv_idx < 0, slots, rows, call.x.shape[1])
+            recv_scales = expand.expand_rows(recv_scales, fields.expanded_source, options.do_zero_padding)
+        recv_weights = fields.expanded_weights
+    state = HandleState(engine.buffer_id, engine_handle, recv_idx, fields.other_slots, fields.slots,
+                        fields.expanded_source, rows, call.x.shape[1])
     handle = EPHandle(
         do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=call.expert_alignment,
-        num_max_tokens_per_rank=T, num_sms=options.num_sms,
-        topk_idx=call.topk_idx.clone() if options.do_handle_copy else call.topk_idx,
-        num_recv_tokens=num_recv, num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=expert_list,
-        psum_num_recv_tokens_per_scaleup_rank=layout.scaleup_prefix(per_source, engine.num_scaleup_ranks),
-        psum_num_recv_tokens_per_expert=layout.expert_prefix(counts, starts, call.expert_alignment),
-        num_unaligned_recv_tokens_per_expert=counts,
-        recv_src_metadata=layout.source_metadata(engine_handle, per_source, recv_idx, slots, T),
-        dst_buffer_slot_idx=layout.destination_rows(call.topk_idx, engine_handle, engine.rank, experts_per_rank),
-        state=state)
+        num_max_tokens_per_rank=T, num_sms=options.num_sms, topk_idx=fields.topk_idx, num_recv_tokens=num_recv,
+        num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=expert_list,
+        psum_num_recv_tokens_per_scaleup_rank=fields.psum_per_scaleup_rank,
+        psum_num_recv_tokens_per_expert=fields.psum_per_expert, num_unaligned_recv_tokens_per_expert=fields.counts,
+        recv_src_metadata=fields.recv_src_metadata, dst_buffer_slot_idx=fields.dst_buffer_slot_idx, state=state)
     return Received(recv_x, _col_major(recv_scales, options.col_major_sf), None if call.do_expand else recv_idx,
                     recv_weights if call.topk_weights is not None else None, handle)
 
@@ -203,13 +201,12 @@ def _cached_outputs(handle: EPHandle, recv_x: torch.Tensor, recv_scales: torch.T
     state = handle._state
     recv_idx = None
     if do_expand:
-        assert state.slots is not None
-        rows = handle.num_expanded_tokens
-        recv_x = expand.expand_rows(recv_x, state.slots, rows, do_zero_padding)
+        assert state.slots is not None and state.expanded_source is not None
+        recv_x = expand.expand_rows(recv_x, state.expanded_source, do_zero_padding)
         if recv_scales is not None:
-            recv_scales = expand.expand_rows(recv_scales, state.slots, rows, do_zero_padding)
+            recv_scales = expand.expand_rows(recv_scales, state.expanded_source, do_zero_padding)
         if recv_weights is not None:
-            recv_weights = expand.expand_weights(recv_weights, state.slots, rows)
+            recv_weights = expand_weights(recv_weights, state.slots, handle.num_expanded_tokens)
     else:
         recv_idx = state.recv_topk_idx.clone()
     return Received(recv_x, _col_major(recv_scales, col_major_sf), recv_idx, recv_weights, handle)

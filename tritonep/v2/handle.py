@@ -1,9 +1,10 @@
 """``EPHandle``: what a V2 dispatch returns, reused by a cached dispatch and by combine.
 
 Its public fields are DeepEP V2's, holding what V2's hold (``deep_ep/utils/refs.py`` states the
-semantics), worked out from the engine's results by :mod:`tritonep.v2.layout`. Without a CPU sync
-(``do_cpu_sync=False``) the counts are device tensors and the sizes are the worst case, as in
-V2. The engine's own handle and the receive-side routing ride along privately.
+semantics), worked out from the engine's results by the backend (:mod:`tritonep.core.expert_layout`
+defines them). Without a CPU sync (``do_cpu_sync=False``) the counts are device tensors and the
+sizes are the worst case, as in V2. The engine's own handle and the receive-side routing ride
+along privately.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class HandleState:
     recv_topk_idx: torch.Tensor       # [rows, K] int64: local expert ids of the received rows, -1 elsewhere
     other_slots: torch.Tensor         # [rows, K] bool: recv_topk_idx < 0 (the weights combine zeroes)
     slots: torch.Tensor | None        # [rows, K] int32: each (row, k)'s expanded row, -1 for none (expanded only)
+    expanded_source: torch.Tensor | None  # int32 [expanded rows]: the row each holds, -1 on padding (expanded only)
     rows: int                         # rows of the non-expanded layout (the engine's, padding included)
     hidden: int
 

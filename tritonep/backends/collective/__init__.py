@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from tritonep.backends import base
 from tritonep.backends.collective import low_latency, normal
+from tritonep.core import expert_layout
 from tritonep.core.checks import require
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import LowLatencyHandle
 from tritonep.core.replay import Replay
 
@@ -84,6 +86,10 @@ class CollectiveBackend(base.Backend):
         combined_x, combined_weights = normal.combine(self.group, request.x, request.handle, request.topk_weights,
                                                       request.bias)
         return base.CombineResult(combined_x, combined_weights)
+
+    def expert_layout(self, request: ExpertLayoutRequest) -> ExpertLayout:
+        # Plain torch: the definition the NVLink kernel is tested against.
+        return expert_layout.expert_layout(request, self.rank)
 
     # ---- low-latency mode ----------------------------------------------------------------
     def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,

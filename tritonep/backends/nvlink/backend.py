@@ -17,6 +17,7 @@ from tritonep.backends.nvlink.memory import SymmetricBuffer, give_back_released
 from tritonep.backends.nvlink.normal.engine import NormalEngine
 from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core.checks import InputError
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import LowLatencyHandle
 from tritonep.core.replay import Replay
 from tritonep.runtime.platform import INTERPRET
@@ -82,6 +83,9 @@ class NvlinkBackend(base.Backend):
 
     def combine(self, request: base.CombineRequest) -> base.CombineResult:
         return self.normal.combine(request)
+
+    def expert_layout(self, request: ExpertLayoutRequest) -> ExpertLayout:
+        return self.normal.expert_layout(request)
 
     # ------------------------------------------------------------------ low-latency mode
     def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,

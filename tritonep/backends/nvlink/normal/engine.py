@@ -31,12 +31,15 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
 from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
+from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
+from tritonep.backends.nvlink.normal.notify_kernel import check_word
 from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
 from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
 from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
 from tritonep.backends.nvlink.tuning import Tuning, combine_tile_tokens, split_programs, tile_block, tile_shape
 from tritonep.core.checks import InputError
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import DispatchHandle
 from tritonep.core.routing import count_rows_from_prefix, round_up_counts
 from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
@@ -162,7 +165,7 @@ class NormalEngine:
                                  f"num_nvl_bytes")
             token_list, send_pos, result = self.counts.start(self.memory, request, shape, self.timeout_ns)
             prefix = result[: R * R].view(R, R)
-            plan = SendPlan(token_list, send_pos)
+            plan = SendPlan(token_list, send_pos, result)
             if request.num_worst_tokens > 0:
                 num_out_rows, per_expert = request.num_worst_tokens, []
                 self.counts.remember_padding(request.num_worst_tokens)
@@ -208,9 +211,8 @@ class NormalEngine:
             guess = guess_rows(shape, t)
             # Into outputs of a guessed size, the receive half follows the exchange on the GPU
             # without waiting for the host; it stands down if the counts call for an error or
-            # for more rows (its guard reads the exchange's check words, after the per-expert
-            # counts at the end of ``result``).
-            outputs = receive(guess, result.numel() - 2) if guess is not None else None
+            # for more rows (its guard reads the exchange's check words in ``result``).
+            outputs = receive(guess, check_word(R, shape.experts_per_rank)) if guess is not None else None
             host = self.counts.wait_counts(shape, self.timeout_ns)
             num_out_rows = shape.last_fresh_rows = host[R * (R - 1) + self.rank]
             if sends and not t.send_before_sync:
@@ -238,6 +240,13 @@ class NormalEngine:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle, replay)
+
+    def expert_layout(self, request: ExpertLayoutRequest) -> ExpertLayout:
+        """The layout of a fresh dispatch's rows by expert, source and destination, in one launch
+        from its count exchange and send plan (``expert_layout_kernel.py``)."""
+        plan: SendPlan = request.handle.backend_state
+        return expert_layout(request, plan.exchange, plan.send_pos, self.rank, self.num_ranks, self.placeholders,
+                             self.state.launch_generation)
 
     def _cached_recv_src(self, plan: SendPlan, rows: int) -> torch.Tensor:
         """Where a cached dispatch's receive half writes the source indices it does not return:

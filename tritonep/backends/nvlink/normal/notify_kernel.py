@@ -99,6 +99,10 @@ def notify_dispatch_kernel(
         received = tl.load(slots + sources[:, None] * PAYLOAD_WORDS + NUM_RANKS + experts[None, :],
                            mask=source_mask[:, None] & expert_mask[None, :], other=0, cache_modifier=".cv")
         tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts, tl.sum(received, axis=0), mask=expert_mask)
+        # Per source and local expert, the pairs received from sources 0..s (an inclusive prefix,
+        # like rank_prefix_matrix): where each source's pairs start in an expert's expanded block.
+        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank + 2 + sources[:, None] * experts_per_rank
+                 + experts[None, :], tl.cumsum(received, axis=0), mask=source_mask[:, None] & expert_mask[None, :])
         signatures = tl.load(slots + sources[:, None] * PAYLOAD_WORDS + NUM_RANKS + EXPERT_WORDS + words[None, :],
                              mask=source_mask[:, None], other=0, cache_modifier=".cv")
         differs = tl.max((signatures != signature[None, :]).to(tl.int32), axis=1) & source_mask.to(tl.int32)
@@ -128,6 +132,16 @@ _NOTIFY = FastLauncher(notify_dispatch_kernel, changing=(
     "experts_per_rank"))
 
 
+def check_word(num_ranks: int, experts_per_rank: int) -> int:
+    """Where the exchange's two check words (disagreeing ranks, out-of-range ids) sit in its result."""
+    return num_ranks * num_ranks + experts_per_rank
+
+
+def source_expert_word(num_ranks: int, experts_per_rank: int) -> int:
+    """Where the per-source, per-local-expert prefix [R, E/R] starts in the exchange's result."""
+    return check_word(num_ranks, experts_per_rank) + 2
+
+
 def mailbox_words(num_ranks: int) -> int:
     """Size of the host mailbox ``notify_dispatch`` writes: header, then the largest result."""
     return MAILBOX_HEADER + num_ranks * num_ranks + MAX_LOCAL_EXPERTS + 2
@@ -151,10 +165,11 @@ def notify_dispatch(
     out-of-range ids counted so far (``invalid_ids``, int32 [1]) it goes to every peer.
 
     ``result`` (int32, None without exchange) holds ``rank_prefix_matrix`` (R*R), the
-    per-local-expert receive counts (E/R), the number of ranks whose signature differs, and
-    the out-of-range expert ids counted over all ranks. The kernel also writes them into
-    ``mailbox`` (int64, pinned host memory of ``mailbox_words(R)``) from word 1, and then
-    ``notify_epoch`` into word 0.
+    per-local-expert receive counts (E/R), the number of ranks whose signature differs, the
+    out-of-range expert ids counted over all ranks (these two from ``check_word``), and, from
+    ``source_expert_word``, [s, e]: the (token, k) pairs of local expert e that sources 0..s
+    send (R * E/R). The kernel also writes all but the last into ``mailbox`` (int64, pinned host
+    memory of ``mailbox_words(R)``) from word 1, and then ``notify_epoch`` into word 0.
     ``owner``: a key that stands for ``memory``, ``invalid_ids``, ``status``, ``timeout_ns`` and
     ``mailbox`` (equal keys promise equal values), so a repeated launch converts only the rest.
     Without ``num_tokens_per_expert`` only the send plan is built (no communication).
@@ -169,8 +184,8 @@ def notify_dispatch(
     device = is_token_in_rank.device
     token_list = torch.empty(num_ranks, max(num_tokens, 1), dtype=torch.int32, device=device)
     send_pos = torch.empty(num_tokens + 1, num_ranks, dtype=torch.int32, device=device)
-    result = torch.empty(num_ranks * num_ranks + experts_per_rank + 2, dtype=torch.int32, device=device) \
-        if exchange else None
+    result = torch.empty(source_expert_word(num_ranks, experts_per_rank) + num_ranks * experts_per_rank,
+                         dtype=torch.int32, device=device) if exchange else None
     block_t = min(1024, next_power_of_2(num_tokens))
     experts_pad = next_power_of_2(experts_per_rank)
 

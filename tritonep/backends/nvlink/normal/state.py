@@ -69,6 +69,7 @@ class SendPlan:
 
     token_list: torch.Tensor        # [R, N] int32: tokens sent to each rank, in order
     send_pos: torch.Tensor          # [N + 1, R] int32: position of each token in each list
+    exchange: torch.Tensor          # int32: the count exchange's result (notify_kernel.notify_dispatch)
     host_prefix: list[int] | None = None    # rank_prefix_matrix row-major, when read back
     # Worked out from host_prefix by the first combine (not on the fresh dispatch's path):
     counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d

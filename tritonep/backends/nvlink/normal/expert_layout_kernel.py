@@ -1,0 +1,299 @@
+"""A fresh dispatch's layout by expert, source and destination (DeepEP V2's handle fields, as
+``core/expert_layout.py`` defines them) in one launch, from what the dispatch left on the GPU.
+
+The count exchange's result already holds ``rank_prefix_matrix``, the pairs each local expert
+receives and, per source rank, where its pairs start in each expert's block; the send plan holds
+each token's place among those sent to each rank. With them no field needs a pass over all the
+rows before another can start, so the launch has four kinds of programs, each writing its own
+elements and none waiting for another:
+
+- program 0: the per-expert vectors (counts, their prefix sums, the caller's running stats) and
+  the prefix sums per scale-up rank;
+- row programs, a block of received rows each: the source metadata and the slots whose expert
+  lives elsewhere;
+- token programs, a block of this rank's tokens each: the row each (token, k) lands on at its
+  expert's rank, and the copy of ``topk_idx``;
+- slot programs (expanded layout only), one per (source rank, group of local experts): they walk
+  the source's block of received rows in order and give each pair of their experts the next row
+  of the expert's expanded block, from where the lower sources' pairs end; the programs of
+  source 0 also mark their experts' alignment gaps, and all of them share the rows past the last
+  expert's block (worst-case outputs) between them.
+
+The host allocates the outputs and launches; nothing is read back, so a ``do_cpu_sync=False``
+dispatch stays capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tritonep.backends.nvlink.normal.notify_kernel import source_expert_word
+from tritonep.backends.nvlink.normal.shape import Placeholders
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
+from tritonep.runtime import kernel_names
+from tritonep.runtime.launcher import FastLauncher, next_power_of_2
+
+
+@triton.jit
+def _aligned(counts, alignment):
+    return (counts + alignment - 1) // alignment * alignment
+
+
+@triton.jit
+def _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
+                    experts_per_rank, alignment, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+                    SCALEUP_RANKS: tl.constexpr, SCALEUP_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                    EXPAND: tl.constexpr):
+    experts = tl.arange(0, EXPERTS_PAD)
+    expert_mask = experts < experts_per_rank
+    counts = tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + experts, mask=expert_mask, other=0)
+    tl.store(counts_ptr + experts, counts, mask=expert_mask)
+    aligned = _aligned(counts, alignment)
+    ends = tl.cumsum(aligned, axis=0)
+    if EXPAND:   # the expert's aligned start plus its count
+        tl.store(psum_expert_ptr + experts, ends - aligned + counts, mask=expert_mask)
+    else:
+        tl.store(psum_expert_ptr + experts, ends, mask=expert_mask)
+    if has_stats:   # one program writes them: no other program touches the stats
+        stats = tl.load(stats_ptr + experts, mask=expert_mask, other=0)
+        tl.store(stats_ptr + experts, stats + counts, mask=expert_mask)
+    # Rows from each source (rank_prefix_matrix's column), summed over the sources of each
+    # scale-up index up to u.
+    sources = tl.arange(0, RANKS_PAD)
+    source_mask = sources < NUM_RANKS
+    from_source = tl.load(exchange_ptr + sources * NUM_RANKS + rank, mask=source_mask, other=0) - tl.load(
+        exchange_ptr + (sources - 1) * NUM_RANKS + rank, mask=source_mask & (sources > 0), other=0)
+    units = tl.arange(0, SCALEUP_PAD)
+    grouped = tl.where(((sources % SCALEUP_RANKS)[None, :] <= units[:, None]) & source_mask[None, :],
+                       from_source[None, :], 0)
+    tl.store(psum_scaleup_ptr + units, tl.sum(grouped, axis=1), mask=units < SCALEUP_RANKS)
+
+
+@triton.jit
+def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr, other_slots_ptr,
+                slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+                NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, EXPAND: tl.constexpr):
+    sources = tl.arange(0, RANKS_PAD)
+    source_mask = sources < NUM_RANKS
+    source_ends = tl.load(exchange_ptr + sources * NUM_RANKS + rank, mask=source_mask, other=0)
+    ks = tl.arange(0, TOPK_PAD)
+    for r0 in range(program * BLOCK_ROWS, num_rows, row_programs * BLOCK_ROWS):
+        rows = r0 + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < num_rows
+        src_token = tl.load(recv_src_ptr + rows, mask=row_mask, other=-1)
+        real = src_token >= 0   # padding rows have source -1
+        # Blocks come by source rank: the row's source is the number of blocks that end at or before it.
+        src_rank = tl.sum(((source_ends[None, :] <= rows[:, None]) & source_mask[None, :]).to(tl.int32), axis=1)
+        pair_mask = row_mask[:, None] & (ks < NUM_TOPK)[None, :]
+        pairs = rows.to(tl.int64)[:, None] * NUM_TOPK + ks[None, :]
+        ids = tl.load(recv_idx_ptr + pairs, mask=pair_mask, other=-1)
+        elsewhere = ids < 0
+        # The first k whose expert is local (0 if none, as argmax gives).
+        first_k = tl.min(tl.where(elsewhere, TOPK_PAD, ks[None, :]), axis=1)
+        first_k = tl.where(first_k < NUM_TOPK, first_k, 0)
+        metadata = metadata_ptr + rows.to(tl.int64) * (NUM_TOPK + 2)
+        tl.store(metadata, tl.where(real, src_rank * num_max_tokens + src_token, -1), mask=row_mask)
+        tl.store(metadata + 1, tl.where(real, src_rank * NUM_TOPK + first_k, -1), mask=row_mask)
+        tl.store(other_slots_ptr + pairs, elsewhere, mask=pair_mask)
+        if EXPAND:   # the slot programs write the pairs of local experts
+            tl.store(metadata[:, None] + 2 + ks[None, :], -1, mask=pair_mask & elsewhere)
+            tl.store(slots_ptr + pairs, -1, mask=pair_mask & elsewhere)
+        else:
+            tl.store(metadata[:, None] + 2 + ks[None, :], -1, mask=pair_mask)
+
+
+@triton.jit
+def _token_fields(program, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr, topk_copy_ptr,
+                  copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr,
+                  TOPK_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
+    ks = tl.arange(0, TOPK_PAD)
+    for t0 in range(program * BLOCK_TOKENS, num_tokens, token_programs * BLOCK_TOKENS):
+        tokens = t0 + tl.arange(0, BLOCK_TOKENS)
+        mask = (tokens < num_tokens)[:, None] & (ks < NUM_TOPK)[None, :]
+        offsets = tokens.to(tl.int64)[:, None] * NUM_TOPK + ks[None, :]
+        ids = tl.load(topk_idx_ptr + offsets, mask=mask, other=-1)
+        tl.store(topk_copy_ptr + offsets, ids, mask=mask & (copy_topk != 0))
+        valid = ids >= 0
+        dest = tl.where(valid, ids // experts_per_rank, 0)
+        # Rows from lower ranks come first at dest (rank_prefix_matrix[rank - 1, dest]), then
+        # this rank's in token order: the token's place among those sent to dest.
+        before = tl.load(exchange_ptr + (rank - 1) * NUM_RANKS + dest, mask=mask & valid & (rank > 0), other=0)
+        place = tl.load(send_pos_ptr + tokens.to(tl.int64)[:, None] * NUM_RANKS + dest, mask=mask & valid, other=0)
+        tl.store(dst_ptr + offsets, tl.where(valid, before + place, -1), mask=mask)
+
+
+@triton.jit
+def _expanded_slots(program, exchange_ptr, recv_idx_ptr, recv_weights_ptr, metadata_ptr, slots_ptr, source_ptr,
+                    expanded_weights_ptr, num_expanded, rank, experts_per_rank, alignment, source_expert_word,
+                    NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                    EXPERT_GROUP: tl.constexpr, BLOCK_SLOTS: tl.constexpr):
+    groups = tl.cdiv(experts_per_rank, EXPERT_GROUP)
+    source = program // groups
+    experts = (program % groups) * EXPERT_GROUP + tl.arange(0, EXPERT_GROUP)
+    expert_mask = experts < experts_per_rank
+    all_experts = tl.arange(0, EXPERTS_PAD)
+    all_aligned = _aligned(tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + all_experts,
+                                   mask=all_experts < experts_per_rank, other=0), alignment)
+    # Each expert's block starts after the aligned blocks of the experts before it; this
+    # source's pairs in it after those of the lower sources (the exchange's per-source prefix).
+    starts = tl.sum(tl.where(all_experts[None, :] < experts[:, None], all_aligned[None, :], 0), axis=1)
+    base = starts + tl.load(exchange_ptr + source_expert_word + (source - 1) * experts_per_rank + experts,
+                            mask=expert_mask & (source > 0), other=0)
+    first_row = tl.load(exchange_ptr + (source - 1) * NUM_RANKS + rank, mask=source > 0, other=0)
+    end_row = tl.load(exchange_ptr + source * NUM_RANKS + rank)
+    carry = tl.zeros([EXPERT_GROUP], dtype=tl.int32)   # pairs of each expert in the rows walked so far
+    for r0 in range(first_row, end_row, BLOCK_SLOTS):
+        rows = r0 + tl.arange(0, BLOCK_SLOTS)
+        row_mask = rows < end_row
+        pairs = rows.to(tl.int64) * NUM_TOPK
+        hits = tl.zeros([BLOCK_SLOTS, EXPERT_GROUP], dtype=tl.int32)
+        for k in tl.static_range(NUM_TOPK):
+            ids = tl.load(recv_idx_ptr + pairs + k, mask=row_mask, other=-1)
+            hits += (ids[:, None] == experts[None, :]).to(tl.int32)
+        # A pair's place in its expert's block: pairs of the expert in earlier rows, then in
+        # earlier slots of the same row (row-major order).
+        earlier = base[None, :] + carry[None, :] + tl.cumsum(hits, axis=0) - hits
+        for k in tl.static_range(NUM_TOPK):
+            ids = tl.load(recv_idx_ptr + pairs + k, mask=row_mask, other=-1)
+            match = ids[:, None] == experts[None, :]
+            slot = tl.sum(tl.where(match, earlier, 0), axis=1)
+            found = tl.max(match.to(tl.int32), axis=1) > 0
+            tl.store(slots_ptr + pairs + k, slot, mask=found)
+            tl.store(metadata_ptr + rows.to(tl.int64) * (NUM_TOPK + 2) + 2 + k, slot, mask=found)
+            placed = found & (slot < num_expanded)   # (pairs past a too-small worst case are not placed)
+            tl.store(source_ptr + slot, rows, mask=placed)
+            weight = tl.load(recv_weights_ptr + pairs + k, mask=placed, other=0.0)
+            tl.store(expanded_weights_ptr + slot, weight, mask=placed)
+            earlier += match.to(tl.int32)
+        carry += tl.sum(hits, axis=0)
+
+    # Padding: source 0's programs mark their experts' alignment gaps (each shorter than the
+    # alignment), and every slot program a share of the rows past the last block.
+    if source == 0:
+        counts = tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + experts, mask=expert_mask, other=0)
+        gap_start = starts + counts
+        gap = _aligned(counts, alignment) - counts
+        for j0 in range(0, alignment - 1, BLOCK_SLOTS):
+            j = j0 + tl.arange(0, BLOCK_SLOTS)
+            position = gap_start[:, None] + j[None, :]
+            mask = expert_mask[:, None] & (j[None, :] < gap[:, None]) & (position < num_expanded)
+            tl.store(source_ptr + position, -1, mask=mask)
+            tl.store(expanded_weights_ptr + position, 0.0, mask=mask)
+    num_programs = NUM_RANKS * groups
+    for j0 in range(tl.sum(all_aligned, axis=0) + program * BLOCK_SLOTS, num_expanded, num_programs * BLOCK_SLOTS):
+        j = j0 + tl.arange(0, BLOCK_SLOTS)
+        tl.store(source_ptr + j, -1, mask=j < num_expanded)
+        tl.store(expanded_weights_ptr + j, 0.0, mask=j < num_expanded)
+
+
+@kernel_names.jit("tritonep::intranode::expert_layout",
+                  do_not_specialize=["num_rows", "num_tokens", "num_expanded", "alignment", "has_stats", "copy_topk",
+                                     "rank", "experts_per_rank", "num_max_tokens", "row_programs", "token_programs",
+                                     "source_expert_word"])
+def expert_layout_kernel(
+    # What the dispatch left: the exchange's result words, the send plan's positions, the received rows.
+    exchange_ptr, send_pos_ptr, recv_src_ptr, recv_idx_ptr, recv_weights_ptr, topk_idx_ptr, stats_ptr,
+    # The fields (core/expert_layout.py), then those of the expanded layout (placeholders unless EXPAND).
+    counts_ptr, psum_expert_ptr, psum_scaleup_ptr, metadata_ptr, dst_ptr, other_slots_ptr, topk_copy_ptr,
+    slots_ptr, source_ptr, expanded_weights_ptr,
+    num_rows, num_tokens, num_expanded, alignment, has_stats, copy_topk,              # per call
+    rank, experts_per_rank, num_max_tokens, row_programs, token_programs, source_expert_word,   # per shape
+    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SCALEUP_RANKS: tl.constexpr, SCALEUP_PAD: tl.constexpr,
+    NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, EXPERT_GROUP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, EXPAND: tl.constexpr,
+):
+    program = tl.program_id(0)
+    if program == 0:
+        _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
+                        experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
+                        EXPAND)
+    elif program <= row_programs:
+        _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr,
+                    other_slots_ptr, slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK,
+                    TOPK_PAD, BLOCK_ROWS, EXPAND)
+    elif program <= row_programs + token_programs:
+        _token_fields(program - 1 - row_programs, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr,
+                      topk_copy_ptr, copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
+                      BLOCK_TOKENS)
+    elif EXPAND:
+        _expanded_slots(program - 1 - row_programs - token_programs, exchange_ptr, recv_idx_ptr, recv_weights_ptr,
+                        metadata_ptr, slots_ptr, source_ptr, expanded_weights_ptr, num_expanded, rank,
+                        experts_per_rank, alignment, source_expert_word, NUM_RANKS, NUM_TOPK, EXPERTS_PAD,
+                        EXPERT_GROUP, BLOCK_SLOTS)
+
+
+# Per call the tensors and the sizes change; the shape (ranks, T, top-k, experts, options) is the
+# setup, which fixes the grid.
+_EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=(
+    "exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr", "stats_ptr",
+    "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr", "other_slots_ptr",
+    "topk_copy_ptr", "slots_ptr", "source_ptr", "expanded_weights_ptr", "num_rows", "num_tokens", "num_expanded",
+    "alignment", "has_stats", "copy_topk"))
+
+BLOCK_ROWS = BLOCK_TOKENS = BLOCK_SLOTS = 256
+EXPERT_GROUP = 8   # local experts per slot program: each walks its source's rows once for all of them
+
+
+def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos: torch.Tensor, rank: int,
+                  num_ranks: int, placeholders: Placeholders, launch_generation: int) -> ExpertLayout:
+    """``request``'s layout (``core.expert_layout.expert_layout`` gives the same values) in one launch.
+
+    Arguments:
+        request: a fresh dispatch's outputs and the layout's options.
+        exchange: int32, the dispatch's count-exchange result (``notify_kernel.notify_dispatch``).
+        send_pos: int32 [N + 1, R], the dispatch's send plan: each token's place among those sent to each rank.
+        rank, num_ranks: this rank and the group's size.
+        placeholders: tensors passed for the outputs a call does not have.
+        launch_generation: stands for the kernel shapes in the setup key (``NormalState``).
+
+    Returns:
+        the ExpertLayout, its tensors filled in stream order (nothing waits for them).
+    """
+    handle, recv_idx = request.handle, request.recv_topk_idx
+    num_rows, num_topk = recv_idx.shape
+    num_tokens = request.topk_idx.shape[0]
+    experts_per_rank, num_scaleup, T = request.experts_per_rank, request.num_scaleup_ranks, \
+        request.num_max_tokens_per_rank
+    expand, device = request.num_expanded is not None, recv_idx.device
+    num_expanded = request.num_expanded or 0
+    counts = torch.empty(experts_per_rank, dtype=torch.int32, device=device)
+    psum_expert = torch.empty(experts_per_rank, dtype=torch.int32, device=device)
+    psum_scaleup = torch.empty(num_scaleup, dtype=torch.int32, device=device)
+    metadata = torch.empty(num_rows, num_topk + 2, dtype=torch.int32, device=device)
+    dst = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
+    other_slots = torch.empty(num_rows, num_topk, dtype=torch.bool, device=device)
+    topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) if request.copy_topk_idx \
+        else None
+    slots = source = weights = None
+    if expand:
+        slots = torch.empty(num_rows, num_topk, dtype=torch.int32, device=device)
+        source = torch.empty(num_expanded, dtype=torch.int32, device=device)
+        weights = torch.empty(num_expanded, dtype=torch.float32, device=device)
+    # The grid is fixed by the shape: a rank receives at most R * T rows (programs stride over
+    # more, should there be); one slot program per (source, group of local experts).
+    row_programs = max(-(-num_ranks * T // BLOCK_ROWS), 1)
+    token_programs = max(-(-T // BLOCK_TOKENS), 1)
+    group = min(EXPERT_GROUP, next_power_of_2(experts_per_rank))
+    groups = -(-experts_per_rank // group)
+    grid = 1 + row_programs + token_programs + (num_ranks * groups if expand else 0)
+    stats, int32 = request.stats, placeholders(torch.int32)
+    _EXPERT_LAYOUT(
+        grid, (launch_generation, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand),
+        # The kernel's argument groups, in its order.
+        (exchange, send_pos, handle.recv_src_idx, recv_idx, request.recv_topk_weights, request.topk_idx,
+         stats if stats is not None else int32,
+         counts, psum_expert, psum_scaleup, metadata, dst, other_slots,
+         topk_copy if topk_copy is not None else placeholders(torch.int64),
+         slots if slots is not None else int32, source if source is not None else int32,
+         weights if weights is not None else placeholders(torch.float32),
+         num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
+         int(topk_copy is not None),
+         rank, experts_per_rank, T, row_programs, token_programs, source_expert_word(num_ranks, experts_per_rank)),
+        lambda: dict(NUM_RANKS=num_ranks, RANKS_PAD=next_power_of_2(num_ranks), SCALEUP_RANKS=num_scaleup,
+                     SCALEUP_PAD=next_power_of_2(num_scaleup), NUM_TOPK=num_topk, TOPK_PAD=next_power_of_2(num_topk),
+                     EXPERTS_PAD=next_power_of_2(experts_per_rank), EXPERT_GROUP=group, BLOCK_ROWS=BLOCK_ROWS,
+                     BLOCK_TOKENS=BLOCK_TOKENS, BLOCK_SLOTS=BLOCK_SLOTS, EXPAND=expand), 4)
+    return ExpertLayout(counts, psum_expert, psum_scaleup, metadata, dst, other_slots,
+                        topk_copy if topk_copy is not None else request.topk_idx, slots, source, weights)
