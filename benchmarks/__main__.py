@@ -123,16 +123,25 @@ def main(argv: list[str] | None = None) -> None:
             _write(args, "bench_v2.json", result)
             return
         result = {} if args.skip_normal else pool.run(normal.run_rank, args)[0]
-        if args.gpus_per_node and not args.skip_normal:
-            result["internode"] = pool.run(internode.run_rank, args)[0]
         if not args.skip_low_latency:
             backends = ["nvlink", "collective"] if args.use_gpu else ["collective"]
             backends += ["internode"] if args.gpus_per_node else []
             result["low_latency"] = pool.run(low_latency.run_rank, args, backends)[0]
+        _report(args, result)
+        if args.gpus_per_node and not args.skip_normal:
+            # Last, and guarded: the one-node figures are printed and saved whatever happens here.
+            try:
+                result["internode"] = pool.run(internode.run_rank, args)[0]
+            except Exception as error:  # noqa: BLE001 - a failed transport is a row of the report
+                result["internode"] = {"error": f"{type(error).__name__}: {error}"}
+            report.print_internode(result["internode"])
+            _write(args, "bench.json", result)
+
+
+def _report(args: argparse.Namespace, result: dict) -> None:
+    """Print the one-node tables, save the JSON and the plot."""
     if not args.skip_normal:
         report.print_normal(result)
-    if "internode" in result:
-        report.print_internode(result["internode"])
     if "low_latency" in result:
         report.print_low_latency(result["low_latency"])
     _write(args, "bench.json", result)

@@ -105,6 +105,9 @@ _INTERNODE_ROWS = (("layout", "layout"), ("dispatch (with counts)", "dispatch"),
 def print_internode(report: dict) -> None:
     """The internode rows: measured time, bytes per rank over the network and over NVLink, and
     the network bytes' time at the NIC rate (the bound a real cluster would set)."""
+    if "error" in report:
+        print(f"\ninternode: {report['error']}")
+        return
     who = f"{report['backend']}" + (f", {report['transport']} transport" if report.get("transport") else "")
     print(f"\ninternode: {report['nodes']} nodes of {report['gpus_per_node']} ranks ({who}); bytes per rank "
           f"(largest rank), projected at {report['nic_gbps']:g} GB/s per GPU")
