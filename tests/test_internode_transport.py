@@ -25,7 +25,7 @@ LANDING_OFFSET = 8192         # the block from the previous rank
 HEAP_BYTES = 16384
 
 
-@kernel_names.jit("tritonep::test::transport_ring")
+@kernel_names.jit("tritonep::test::transport_ring", do_not_specialize=["rank", "num_ranks", "epoch"])
 def ring_kernel(transport_table, heap_base, rank, num_ranks, epoch, status_ptr, timeout_ns,
                 NBYTES: tl.constexpr, SIGNAL: tl.constexpr, COUNTER: tl.constexpr, SOURCE: tl.constexpr,
                 LANDING: tl.constexpr, PHASE: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr):

@@ -17,6 +17,7 @@ import pytest
 from nvlink_cases import (
     Case,
     compare_case,
+    empty_rows_from_numpy,
     fresh_dispatch_in_graph_error,
     fresh_dispatch_sequence,
     fresh_dispatch_storage_rows,
@@ -116,6 +117,11 @@ def test_interpreter_staging_overflow_raises_after_a_guessed_receive(interpreter
     results = interpreter_pools(2).run(staging_overflow_error)
     assert all("holds 496 rows" in message for message, _ in results), results
     assert all(exact for _, exact in results), results
+
+
+def test_interpreter_empty_rows_from_numpy(interpreter_pools) -> None:
+    """Empty inputs made by torch.from_numpy (zero strides) dispatch and combine like others."""
+    assert interpreter_pools(2).run(empty_rows_from_numpy) == [[(0, 64), (0, 64)], [(5, 64), (5, 64)]]
 
 
 def test_interpreter_low_latency_only_buffer(interpreter_pools) -> None:

@@ -80,6 +80,15 @@ def aligned(*addresses: int) -> bool:
     return not bits & 15
 
 
+def as_words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as int32 words along its last dimension (how the kernels move rows). An
+    empty tensor may carry zero strides (numpy's, through ``torch.from_numpy``), which ``view``
+    refuses: it is replaced by an empty tensor of the same shape."""
+    if tensor.numel() == 0:
+        tensor = tensor.new_empty(tensor.shape)
+    return tensor.view(torch.int32)
+
+
 def current_stream() -> int:
     """The raw handle of the current CUDA stream, without making a torch Stream object."""
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())

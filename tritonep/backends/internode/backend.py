@@ -78,6 +78,10 @@ class InternodeBackend(base.Backend):
     def combine(self, request: base.CombineRequest) -> base.CombineResult:
         return self.normal_mode.combine(request)
 
+    def expert_layout(self, request: base.ExpertLayoutRequest) -> base.ExpertLayout:
+        raise InputError("DeepEP V2's ElasticBuffer is not served across nodes yet (the internode backend serves "
+                         "V1's Buffer); use one node, or the collective backend (TRITONEP_BACKEND=collective)")
+
     # Low-latency mode: the NVLink backend's engine over this heap (module doc).
     def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,
                              replay: Replay | None = None) -> base.LowLatencyDispatchResult:

@@ -87,7 +87,7 @@ class InternodeNormal:
         send[:, R + nodes:R + nodes + experts_per_rank] = request.num_tokens_per_expert.view(R, experts_per_rank)
         signature = [packing.x_words, packing.scale_words, packing.num_topk, request.num_experts,
                      request.num_worst_tokens]
-        send[:, -8:-3] = torch.tensor(signature, dtype=torch.int32).to(self.device)
+        send[:, -8:-3] = torch.tensor(signature, dtype=torch.int32, device="cpu").to(self.device)
         self.notify_epoch += 1
         layout = self.layout
         launch(dispatch_kernel.notify_kernel, 1, (*self._args(), self.notify_epoch, self.status.tensor,

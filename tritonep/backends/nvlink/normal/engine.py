@@ -42,6 +42,7 @@ from tritonep.core.checks import InputError
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import DispatchHandle
 from tritonep.core.routing import count_rows_from_prefix, round_up_counts
+from tritonep.runtime.launcher import as_words
 from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
 from tritonep.runtime.status import timeout_error
 
@@ -173,8 +174,8 @@ class NormalEngine:
                 reads_counts = True
         state.dispatch_epoch += 1
         # The kernel's argument groups (dispatch_kernel.py); both halves share all but the outputs.
-        words = x.view(torch.int32) if x.dim() == 2 else x
-        scale_view = scales.view(torch.int32) if scales is not None else words
+        words = as_words(x) if x.dim() == 2 else x
+        scale_view = as_words(scales) if scales is not None else words
         inputs = (words, shape.x_words, scale_view, max(shape.scale_words, 1),
                   scale_view.stride(0) if scales is not None else 0, scale_view.stride(1) if scales is not None else 0,
                   request.topk_idx if has_topk else words, request.topk_weights if has_topk else words,
@@ -281,7 +282,7 @@ class NormalEngine:
         state, t, R = self.state, self._tuning, self.num_ranks
         state.combine_epoch += 1
         # The kernel's argument groups (combine_kernel.py), in its order.
-        args = (x, x.view(torch.int32), topk_weights if topk_weights is not None else x,          # inputs
+        args = (x, as_words(x), topk_weights if topk_weights is not None else x,          # inputs
                 bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x, hidden,
                 handle.rank_prefix_matrix, handle.is_token_in_rank, plan.send_pos,                 # send plan
                 out, out_weights if out_weights is not None else out, num_tokens,                  # outputs
