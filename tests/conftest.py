@@ -62,17 +62,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                     f"{num_gpus}"))
 
 
-@pytest.fixture(scope="module")
-def gpu_pool():
-    """A RankPool of ``gpu_ranks()`` ranks on the GPUs (``TRITONEP_GPU_RANKS``, or one per GPU;
-    ranks beyond the GPU count share them), made once per test module."""
+@pytest.fixture(scope="session")
+def gpu_session_pool():
+    """The GPU tests' RankPool, started once per session (``gpu_pool``)."""
     from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
 
     from tritonep.rank_pool import RankPool
 
-    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
+    # A rank that fails leaves its peers in its kernels' bounded waits (TRITONEP_TIMEOUT_S) or
+    # in a collective: their errors get that long to come back, then the pool starts afresh.
+    grace = float(os.environ.get("TRITONEP_TIMEOUT_S", 60)) + 10
+    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, failure_grace=grace, **pool_options(use_gpu=True))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_pool(gpu_session_pool):
+    """A RankPool of ``gpu_ranks()`` ranks on the GPUs (``TRITONEP_GPU_RANKS``, or one per GPU;
+    ranks beyond the GPU count share them). One pool serves every module (starting the ranks,
+    their CUDA contexts and NCCL takes seconds); the Buffers a module's cases keep on the ranks
+    are dropped when it ends."""
+    from low_latency_cases import release_buffers
+
+    yield gpu_session_pool
+    if gpu_session_pool.running:   # not stopped by a failure
+        gpu_session_pool.run(release_buffers)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """With ``--durations``: where the time of the batched cases went (case_batches.py)."""
+    from case_batches import summary_lines
+
+    lines = summary_lines()
+    if lines and config.option.durations is not None:
+        terminalreporter.section("batched cases: wall time, and per phase the slowest rank's sum over cases")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @contextlib.contextmanager

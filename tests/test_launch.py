@@ -59,7 +59,9 @@ def test_a_failure_releases_the_ranks_left_waiting_for_it() -> None:
         message = str(failure.value)
         assert "rank 1 ---" in message and "planted failure before the barrier" in message, message
         assert "rank(s) [0, 2] had not finished" in message, message
+        assert not pool.running
         assert pool.run(_rank_sum, 0) == [3, 3, 3]
+        assert pool.running
 
 
 def _sleep_on_rank(group: dist.ProcessGroup, rank: int, seconds: float) -> int:

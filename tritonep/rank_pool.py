@@ -162,6 +162,12 @@ class RankPool:
             self._connections.append(parent_end)
             self._processes.append(process)
 
+    @property
+    def running(self) -> bool:
+        """Whether the ranks' processes are up (False after ``close``, or after a run stopped
+        them; the next ``run`` starts new ones)."""
+        return bool(self._processes)
+
     def run(self, fn: Callable[..., Any], *args: Any, may_exit: Collection[int] = (), **kwargs: Any) -> list[Any]:
         """Call ``fn(group, *args, **kwargs)`` on every rank; returns the results by rank.
 
