@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 _groups: dict[str, dist.ProcessGroup] = {}
+_recording: set[str] = set()   # the kernel lists this process appends to
 
 
 def oracle_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -32,6 +33,18 @@ def oracle_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     if "oracle" not in _groups:
         _groups["oracle"] = dist.new_group(backend="gloo")
     return _groups["oracle"]
+
+
+def prepare_ranks(group: dist.ProcessGroup, threads: int, kernels_out: str | None = None) -> None:
+    """On a GPU rank: torch's CPU operators get ``threads`` threads (RankPool starts ranks with
+    one), for the oracle's large copies and sums on a host with cores to spare; with
+    ``kernels_out``, the kernels this process compiles are listed there (kernel_cache.record)."""
+    torch.set_num_threads(threads)
+    if kernels_out and kernels_out not in _recording:
+        from kernel_cache import record
+
+        record(group, kernels_out)
+        _recording.add(kernels_out)
 
 
 def ahead(produce: Callable[[Any], Any], items: Iterable[Any], times: list[dict]) -> Iterator[tuple[Any, Any]]:
@@ -154,10 +167,12 @@ def check_batch(pool: Any, fn: Callable[..., tuple[list[list[str]], list[dict]]]
     assert not failures, "\n".join(failures)
 
 
-def summary_lines() -> list[str]:
-    """One line per test that ran batches: cases, wall time, and per phase the seconds summed
-    over its cases (the slowest rank's): the GPU side (of it, compiling kernels), the oracle
-    thread, and what the GPU side waited for the oracle."""
+def summary_lines(most: int = 30) -> list[str]:
+    """The batches' totals, then a line for each of the ``most`` slowest tests: cases, wall
+    time, and per phase the seconds summed over its cases (the slowest rank's): the GPU side
+    (of it, compiling kernels), the oracle thread, and what the GPU side waited for the oracle."""
+    if not BATCHES:
+        return []
     totals: dict[str, list[float]] = {}
     for test, count, wall, per_rank in BATCHES:
         line = totals.setdefault(test, [0.0] * 7)
@@ -165,7 +180,10 @@ def summary_lines() -> list[str]:
         line[1] += wall
         for slot, key in enumerate(("gpu", "compile", "oracle", "waited"), start=2):
             line[slot] += max(sum(times.get(key, 0.0) for times in cases) for cases in per_rank)
-        line[6] += max(cases[-1].get("compiles", 0) for cases in per_rank)
+        line[6] += max((cases[-1].get("compiles", 0) for cases in per_rank if cases), default=0)
+    everything = [sum(column) for column in zip(*totals.values())]
+    slowest = sorted(totals.items(), key=lambda item: -item[1][1])[:most]
     return [f"{wall:7.1f} s {int(count):4d} cases: GPU side {gpu:6.1f} s (compiling {compile_s:5.1f} s, "
             f"{int(compiles)} kernels), oracle {oracle:6.1f} s, GPU side waited {waited:5.1f} s  {test}"
-            for test, (count, wall, gpu, compile_s, oracle, waited, compiles) in totals.items()]
+            for test, (count, wall, gpu, compile_s, oracle, waited, compiles)
+            in [(f"all {len(totals)} tests", everything), *slowest]]

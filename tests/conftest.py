@@ -62,19 +62,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                     f"{num_gpus}"))
 
 
+SESSION_NOTES: list[str] = []   # lines for the terminal summary
+
+
 @pytest.fixture(scope="session")
 def gpu_session_pool():
-    """The GPU tests' RankPool, started once per session (``gpu_pool``)."""
+    """The GPU tests' RankPool, started once per session (``gpu_pool``). Beside it, spare cores
+    compile the kernels the suite is listed to need (kernel_cache.py)."""
+    from kernel_cache import KERNEL_LIST, warm_in_background
     from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
 
     from tritonep.rank_pool import RankPool
 
+    ranks, cores = gpu_ranks(), len(os.sched_getaffinity(0))
+    # Each rank keeps two threads busy (its GPU side, its oracle); the rest compile.
+    warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks))
     # A rank that fails leaves its peers in its kernels' bounded waits (TRITONEP_TIMEOUT_S) or
     # in a collective: their errors get that long to come back, then the pool starts afresh.
     grace = float(os.environ.get("TRITONEP_TIMEOUT_S", 60)) + 10
-    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, failure_grace=grace, **pool_options(use_gpu=True))
+    pool = RankPool(ranks, use_gpu=True, timeout=600, failure_grace=grace, **pool_options(use_gpu=True))
     yield pool
     pool.close()
+    if warming is not None:
+        SESSION_NOTES.append(warming.stop())
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +92,16 @@ def gpu_pool(gpu_session_pool):
     """A RankPool of ``gpu_ranks()`` ranks on the GPUs (``TRITONEP_GPU_RANKS``, or one per GPU;
     ranks beyond the GPU count share them). One pool serves every module (starting the ranks,
     their CUDA contexts and NCCL takes seconds); the Buffers a module's cases keep on the ranks
-    are dropped when it ends."""
+    are dropped when it ends. ``TRITONEP_TEST_KERNELS_OUT``: the ranks list the kernels they
+    compile there (kernel_cache.py)."""
+    from case_batches import prepare_ranks
+    from kernel_cache import OUT_VARIABLE
     from low_latency_cases import release_buffers
 
+    # Again per module: a pool stopped after a failure started new ranks.
+    cores = len(os.sched_getaffinity(0))
+    gpu_session_pool.run(prepare_ranks, max(1, cores // (2 * gpu_session_pool.num_ranks)),
+                         os.environ.get(OUT_VARIABLE))
     yield gpu_session_pool
     if gpu_session_pool.running:   # not stopped by a failure
         gpu_session_pool.run(release_buffers)
@@ -96,9 +113,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
     from case_batches import summary_lines
 
     lines = summary_lines()
-    if lines and config.option.durations is not None:
+    if (lines or SESSION_NOTES) and config.option.durations is not None:
         terminalreporter.section("batched cases: wall time, and per phase the slowest rank's sum over cases")
-        for line in lines:
+        for line in SESSION_NOTES + lines:
             terminalreporter.write_line(line)
 
 
