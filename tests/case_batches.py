@@ -12,6 +12,7 @@ timings for the summary pytest prints at the end (conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tritonep.rank_pool import leave_after_this_run
 
 _groups: dict[str, dist.ProcessGroup] = {}
 _recording: set[str] = set()   # the kernel lists this process appends to
@@ -94,9 +97,15 @@ def ahead(produce: Callable[[Any], Any], items: Iterable[Any], times: list[dict]
             yield item, value
     finally:
         stop.set()
-        # The thread stops after its current item; one left in a collective that a peer skipped
-        # ends with the pool's processes (RankPool stops them when a rank fails).
-        thread.join(timeout=60)
+        thread.join(timeout=THREAD_STOP_S)
+        if thread.is_alive():
+            # Stuck in a collective that a peer's oracle thread, stopped after a failure, never
+            # joins: this rank's next oracle would meet it, so the pool replaces the ranks.
+            leave_after_this_run()
+
+
+# How long a batch that ends early waits for its oracle thread to finish the item it is on.
+THREAD_STOP_S = 5.0
 
 
 class CompileClock:
@@ -136,8 +145,9 @@ def run_batch(group: dist.ProcessGroup, cases: list[Any], oracle: Callable[[Any]
     mismatches and the timings of each case; an exception names its case."""
     times = [{} for _ in cases]
     problems = []
-    with CompileClock() as clock:
-        for index, (case, expected) in enumerate(ahead(oracle, cases, times)):
+    # closing: when a case fails, the oracle thread is stopped before the error goes back.
+    with CompileClock() as clock, contextlib.closing(ahead(oracle, cases, times)) as results:
+        for index, (case, expected) in enumerate(results):
             start, compiled = time.perf_counter(), clock.seconds
             try:
                 problems.append(compare(case, expected))

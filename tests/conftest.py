@@ -65,6 +65,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 SESSION_NOTES: list[str] = []   # lines for the terminal summary
 
 
+def _failure_grace() -> float:
+    """A rank that fails leaves its peers in its kernels' bounded waits (TRITONEP_TIMEOUT_S, 60 s
+    by default) or in a collective: their errors, naming rank and phase, get that long to come
+    back, then the pool starts afresh."""
+    return float(os.environ.get("TRITONEP_TIMEOUT_S", 60)) + 10
+
+
 @pytest.fixture(scope="session")
 def gpu_session_pool():
     """The GPU tests' RankPool, started once per session (``gpu_pool``). Beside it, spare cores
@@ -77,10 +84,7 @@ def gpu_session_pool():
     ranks, cores = gpu_ranks(), len(os.sched_getaffinity(0))
     # Each rank keeps two threads busy (its GPU side, its oracle); the rest compile.
     warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks))
-    # A rank that fails leaves its peers in its kernels' bounded waits (TRITONEP_TIMEOUT_S) or
-    # in a collective: their errors get that long to come back, then the pool starts afresh.
-    grace = float(os.environ.get("TRITONEP_TIMEOUT_S", 60)) + 10
-    pool = RankPool(ranks, use_gpu=True, timeout=600, failure_grace=grace, **pool_options(use_gpu=True))
+    pool = RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), **pool_options(use_gpu=True))
     yield pool
     pool.close()
     if warming is not None:
@@ -131,7 +135,8 @@ def _interpreting_cpu_pools() -> Iterator[Callable[[int], RankPool]]:
     try:
         def get(num_ranks: int) -> RankPool:
             if num_ranks not in pools:
-                pools[num_ranks] = RankPool(num_ranks, timeout=900, **pool_options())
+                pools[num_ranks] = RankPool(num_ranks, timeout=900, failure_grace=_failure_grace(),
+                                            **pool_options())
             return pools[num_ranks]
         yield get
     finally:

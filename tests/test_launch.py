@@ -64,6 +64,21 @@ def test_a_failure_releases_the_ranks_left_waiting_for_it() -> None:
         assert pool.running
 
 
+def _leave_on_rank_two(group: dist.ProcessGroup) -> int:
+    from tritonep.rank_pool import leave_after_this_run
+
+    if group.rank() == 2:
+        leave_after_this_run()
+    return group.rank()
+
+
+def test_a_rank_that_cannot_go_on_gets_the_pool_replaced() -> None:
+    with RankPool(3, timeout=120) as pool:
+        assert pool.run(_leave_on_rank_two) == [0, 1, 2]   # its result still comes back
+        assert not pool.running
+        assert pool.run(_rank_sum, 0) == [3, 3, 3]
+
+
 def _sleep_on_rank(group: dist.ProcessGroup, rank: int, seconds: float) -> int:
     if group.rank() == rank:
         time.sleep(seconds)

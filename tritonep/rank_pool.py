@@ -67,6 +67,17 @@ class RankFailure(RuntimeError):
     """A function failed on one or more ranks; the message holds their tracebacks."""
 
 
+_leaving = False   # set in a rank by leave_after_this_run
+
+
+def leave_after_this_run() -> None:
+    """Called in a rank's function: this rank's process cannot serve another function (e.g. a
+    thread of it is left waiting in a collective after a peer failed), so once its result or
+    error is back, the pool stops every rank and the next ``run`` starts new ones."""
+    global _leaving
+    _leaving = True
+
+
 def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, default_dtype: Any = None,
             default_device: Any = None, env: dict[str, str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -103,9 +114,12 @@ def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, defa
             break
         fn, args, kwargs = message
         try:
-            conn.send(("ok", fn(group, *args, **kwargs)))
+            reply = ("ok", fn(group, *args, **kwargs))
         except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
-            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+            reply = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        conn.send((*reply, _leaving))
+        if _leaving:
+            return   # its threads may be stuck: no destroy_process_group, the process just ends
     dist.destroy_process_group()
 
 
@@ -173,12 +187,14 @@ class RankPool:
 
         Raises RankFailure with every failed rank's traceback. The ranks are awaited together:
         once one has failed the others get ``failure_grace`` seconds, then the pool's processes
-        are stopped (and started afresh by the next call); ranks that never answer within
-        ``timeout`` are a hang, reported by rank.
+        are stopped (and started afresh by the next call, as when any rank's process has ended
+        between calls); ranks that never answer within ``timeout`` are a hang, reported by rank.
 
         ``may_exit``: ranks whose process may die during the call (tests of a killed rank);
         their result is None. The pool's group then has a dead member: close it after."""
-        if not self._processes:   # stopped after a failure: a fresh group
+        if not self._processes or not all(process.is_alive() for process in self._processes):
+            # Stopped after a failure, or a rank's process has ended since: a fresh group.
+            self.close(force=True)
             self._start()
         name = getattr(fn, "__name__", fn)
         for conn in self._connections:
@@ -195,12 +211,13 @@ class RankPool:
             for conn in ready:
                 rank = waiting.pop(conn)
                 try:
-                    status, value = conn.recv()
+                    status, value, leaving = conn.recv()
                 except EOFError:   # the rank's process died (killed, or a crash in native code)
                     if rank not in may_exit:
                         failures[rank] = f"rank {rank} exited while running {name}"
                         exited = True
                     continue
+                exited |= leaving
                 if status == "error":
                     failures[rank] = f"--- rank {rank} ---\n{value}"
                 results[rank] = value
