@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import threading
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
@@ -152,11 +153,13 @@ def _scaled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], factor: float) 
 
 @contextlib.contextmanager
 def count_replays() -> Iterator[dict[str, int]]:
-    """Count, in this process, the calls that replays served (a replay that returns None sends
-    its call to the general path and is not counted), by the replay key's kind: "cached_dispatch"
-    and "combine" (a handle's table, V1's or V2's), "low_latency" (a Buffer's)."""
+    """Count, in this thread (an oracle thread may run CPU-backend calls beside it), the calls
+    that replays served (a replay that returns None sends its call to the general path and is
+    not counted), by the replay key's kind: "cached_dispatch" and "combine" (a handle's table,
+    V1's or V2's), "low_latency" (a Buffer's)."""
     taken = {"cached_dispatch": 0, "combine": 0, "low_latency": 0}
     learn = ReplayTable.learn
+    counting_thread = threading.get_ident()
 
     class Counted:
         """The replay, counting the calls it serves; its attributes are the replay's (a
@@ -174,7 +177,7 @@ def count_replays() -> Iterator[dict[str, int]]:
             return getattr(self.replay, name)
 
     def counting_learn(table: ReplayTable, key: Hashable, replay: Replay | None) -> None:
-        if replay is not None and not isinstance(replay, Counted):
+        if replay is not None and not isinstance(replay, Counted) and threading.get_ident() == counting_thread:
             # ElasticBuffer keys the same kinds as "v2_cached_dispatch", "v2_combine".
             replay = Counted(replay, key[0].removeprefix("v2_") if isinstance(key[0], str) else "low_latency")
         learn(table, key, replay)
