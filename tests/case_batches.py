@@ -26,7 +26,6 @@ import torch.distributed as dist
 from tritonep.rank_pool import leave_after_this_run
 
 _groups: dict[str, dist.ProcessGroup] = {}
-_recording: set[str] = set()   # the kernel lists this process appends to
 
 
 def oracle_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -36,18 +35,6 @@ def oracle_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     if "oracle" not in _groups:
         _groups["oracle"] = dist.new_group(backend="gloo")
     return _groups["oracle"]
-
-
-def prepare_ranks(group: dist.ProcessGroup, threads: int, kernels_out: str | None = None) -> None:
-    """On a GPU rank: torch's CPU operators get ``threads`` threads (RankPool starts ranks with
-    one), for the oracle's large copies and sums on a host with cores to spare; with
-    ``kernels_out``, the kernels this process compiles are listed there (kernel_cache.record)."""
-    torch.set_num_threads(threads)
-    if kernels_out and kernels_out not in _recording:
-        from kernel_cache import record
-
-        record(group, kernels_out)
-        _recording.add(kernels_out)
 
 
 def ahead(produce: Callable[[Any], Any], items: Iterable[Any], times: list[dict]) -> Iterator[tuple[Any, Any]]:

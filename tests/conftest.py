@@ -95,12 +95,11 @@ def gpu_session_pool():
 def gpu_pool(gpu_session_pool):
     """A RankPool of ``gpu_ranks()`` ranks on the GPUs (``TRITONEP_GPU_RANKS``, or one per GPU;
     ranks beyond the GPU count share them). One pool serves every module (starting the ranks,
-    their CUDA contexts and NCCL takes seconds); the Buffers a module's cases keep on the ranks
-    are dropped when it ends. ``TRITONEP_TEST_KERNELS_OUT``: the ranks list the kernels they
-    compile there (kernel_cache.py)."""
-    from case_batches import prepare_ranks
+    their CUDA contexts and NCCL takes seconds); each module finds the ranks as the first one did
+    (rank_state.py). ``TRITONEP_TEST_KERNELS_OUT``: the ranks list the kernels they compile there
+    (kernel_cache.py)."""
     from kernel_cache import OUT_VARIABLE
-    from low_latency_cases import release_buffers
+    from rank_state import prepare_ranks, reset_ranks
 
     # Again per module: a pool stopped after a failure started new ranks.
     cores = len(os.sched_getaffinity(0))
@@ -108,7 +107,7 @@ def gpu_pool(gpu_session_pool):
                          os.environ.get(OUT_VARIABLE))
     yield gpu_session_pool
     if gpu_session_pool.running:   # not stopped by a failure
-        gpu_session_pool.run(release_buffers)
+        gpu_session_pool.run(reset_ranks)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
