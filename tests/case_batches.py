@@ -13,6 +13,7 @@ timings for the summary pytest prints at the end (conftest.py).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import queue
 import threading
@@ -33,8 +34,14 @@ def oracle_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     group the NVLink side uses (ranks sharing GPUs join a gloo group), since the two sides'
     collectives run at the same time, in different threads."""
     if "oracle" not in _groups:
-        _groups["oracle"] = dist.new_group(backend="gloo")
+        # Bounded: a collective that a peer never joins raises (gloo names the peer) instead of
+        # waiting gloo's default half hour. Ranks' oracle threads may drift apart by as much as
+        # a case's GPU side takes (kernels compiled on the way): minutes are plenty.
+        _groups["oracle"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ORACLE_TIMEOUT_S))
     return _groups["oracle"]
+
+
+ORACLE_TIMEOUT_S = 300
 
 
 def ahead(produce: Callable[[Any], Any], items: Iterable[Any], times: list[dict]) -> Iterator[tuple[Any, Any]]:
