@@ -45,8 +45,9 @@ ORACLE_TIMEOUT_S = 300
 
 
 def ahead(produce: Callable[[Any], Any], items: Iterable[Any], times: list[dict]) -> Iterator[tuple[Any, Any]]:
-    """Yield ``(item, produce(item))`` in order, ``produce`` running in a thread at most one item
-    ahead of the caller. ``times[i]`` gets "oracle" (seconds in ``produce``) and "waited" (seconds
+    """Yield ``(item, produce(item))`` in order, ``produce`` running in a thread ahead of the
+    caller: while the caller uses one item, the next waits done and the one after may be under
+    way. ``times[i]`` gets "oracle" (seconds in ``produce``) and "waited" (seconds
     the caller waited for it). An exception in ``produce`` reaches the caller at its item,
     naming it.
 
