@@ -11,8 +11,10 @@ they ask for (the same cache key: same source, signature, constexprs, attributes
 target). An entry the current kernels no longer accept fails alone and is counted; a kernel
 not listed is compiled by the rank, as without the list.
 
-    TRITONEP_TEST_KERNELS_OUT=file    this session appends what it compiles to ``file``
-    tests/gpu_kernels.jsonl           the list warmed at the start of a GPU session, if present
+    TRITONEP_TEST_KERNELS_OUT=file    this session appends what it compiles to ``file`` (each
+                                      rank: ``awk '!seen[$0]++'`` keeps the first of each)
+    TRITONEP_TEST_KERNELS=file        the list warmed at the start of a GPU session, if present
+                                      (default tests/gpu_kernels.jsonl)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 OUT_VARIABLE = "TRITONEP_TEST_KERNELS_OUT"
-KERNEL_LIST = Path(__file__).with_name("gpu_kernels.jsonl")
+KERNEL_LIST = Path(os.environ.get("TRITONEP_TEST_KERNELS", Path(__file__).with_name("gpu_kernels.jsonl")))
 
 
 def entry(target: Any, specialization_data: str) -> str:
