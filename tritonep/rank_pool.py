@@ -191,7 +191,8 @@ class RankPool:
         between calls); ranks that never answer within ``timeout`` are a hang, reported by rank.
 
         ``may_exit``: ranks whose process may die during the call (tests of a killed rank);
-        their result is None. The pool's group then has a dead member: close it after."""
+        their result is None. The pool's group then has a dead member: the next call starts
+        new ranks."""
         if not self._processes or not all(process.is_alive() for process in self._processes):
             # Stopped after a failure, or a rank's process has ended since: a fresh group.
             self.close(force=True)
