@@ -62,17 +62,64 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                                     f"{num_gpus}"))
 
 
-@pytest.fixture(scope="module")
-def gpu_pool():
-    """A RankPool of ``gpu_ranks()`` ranks on the GPUs (``TRITONEP_GPU_RANKS``, or one per GPU;
-    ranks beyond the GPU count share them), made once per test module."""
+SESSION_NOTES: list[str] = []   # lines for the terminal summary
+
+
+def _failure_grace() -> float:
+    """A rank that fails leaves its peers in its kernels' bounded waits (TRITONEP_TIMEOUT_S, 60 s
+    by default) or in a collective: their errors, naming rank and phase, get that long to come
+    back, then the pool starts afresh."""
+    return float(os.environ.get("TRITONEP_TIMEOUT_S", 60)) + 10
+
+
+@pytest.fixture(scope="session")
+def gpu_session_pool():
+    """The GPU tests' RankPool, started once per session (``gpu_pool``). Beside it, spare cores
+    compile the kernels the suite is listed to need (kernel_cache.py)."""
+    from kernel_cache import KERNEL_LIST, warm_in_background
     from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
 
     from tritonep.rank_pool import RankPool
 
-    pool = RankPool(gpu_ranks(), use_gpu=True, timeout=600, **pool_options(use_gpu=True))
+    ranks, cores = gpu_ranks(), len(os.sched_getaffinity(0))
+    # Each rank keeps two threads busy (its GPU side, its oracle); the rest compile.
+    warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks))
+    pool = RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), **pool_options(use_gpu=True))
     yield pool
     pool.close()
+    if warming is not None:
+        SESSION_NOTES.append(warming.stop())
+
+
+@pytest.fixture(scope="module")
+def gpu_pool(gpu_session_pool):
+    """A RankPool of ``gpu_ranks()`` ranks on the GPUs (``TRITONEP_GPU_RANKS``, or one per GPU;
+    ranks beyond the GPU count share them). One pool serves every module (starting the ranks,
+    their CUDA contexts and NCCL takes seconds); each module finds the ranks as the first one did
+    (rank_state.py). ``TRITONEP_TEST_KERNELS_OUT``: the ranks list the kernels they compile there
+    (kernel_cache.py)."""
+    from kernel_cache import OUT_VARIABLE
+    from rank_state import prepare_ranks, reset_ranks
+
+    # Again per module: a pool stopped after a failure started new ranks.
+    cores = len(os.sched_getaffinity(0))
+    gpu_session_pool.run(prepare_ranks, max(1, cores // (2 * gpu_session_pool.num_ranks)),
+                         os.environ.get(OUT_VARIABLE))
+    yield gpu_session_pool
+    if gpu_session_pool.running:   # not stopped by a failure
+        gpu_session_pool.run(reset_ranks)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """With ``--durations``: where the time of the batched cases went (case_batches.py)."""
+    from case_batches import summary_lines
+
+    lines = summary_lines()
+    if (lines or SESSION_NOTES) and config.option.durations is not None:
+        terminalreporter.section("batched cases: wall time, and per phase the slowest rank's sum over cases")
+        for line in SESSION_NOTES + lines:
+            terminalreporter.write_line(line)
 
 
 @contextlib.contextmanager
@@ -87,7 +134,8 @@ def _interpreting_cpu_pools() -> Iterator[Callable[[int], RankPool]]:
     try:
         def get(num_ranks: int) -> RankPool:
             if num_ranks not in pools:
-                pools[num_ranks] = RankPool(num_ranks, timeout=900, **pool_options())
+                pools[num_ranks] = RankPool(num_ranks, timeout=900, failure_grace=_failure_grace(),
+                                            **pool_options())
             return pools[num_ranks]
         yield get
     finally:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from collective_inputs import random_routing
 
 import tritonep as deep_ep
-from tritonep.rank_pool import RankPool, gpu_ranks, group_on_gpu
+from tritonep.rank_pool import RankPool, group_on_gpu
 
 SEED = 5
 INT32_MASK = (1 << 32) - 1
@@ -63,14 +63,15 @@ RANK_PARAMS = [pytest.param(2, id="cpu2"), pytest.param(3, id="cpu3"),
                pytest.param(0, id="gpu", marks=pytest.mark.gpu(min_gpus=1))]
 
 
-def ranks_for(param: int) -> Iterator[Ranks]:
-    """The body of a module's ``ranks`` fixture (params ``RANK_PARAMS``)."""
-    if param == 0:
-        pool, problem = RankPool(gpu_ranks(), use_gpu=True, timeout=600), GPU_PROBLEM
-    else:
-        pool, problem = RankPool(param, timeout=120), CPU_PROBLEM
-    with pool:
-        yield Ranks(pool, problem, on_gpu=param == 0)
+def ranks_for(request: pytest.FixtureRequest) -> Iterator[Ranks]:
+    """The body of a module's ``ranks`` fixture (params ``RANK_PARAMS``). The GPU ranks are the
+    session's (conftest.py ``gpu_pool``): ``as_deepep_user`` sets the torch defaults each case
+    runs under, whatever the pool's."""
+    if request.param == 0:
+        yield Ranks(request.getfixturevalue("gpu_pool"), GPU_PROBLEM, on_gpu=True)
+        return
+    with RankPool(request.param, timeout=120) as pool:
+        yield Ranks(pool, CPU_PROBLEM, on_gpu=False)
 
 
 def as_deepep_user(group: dist.ProcessGroup, case: Callable[..., Any], problem: Problem, *args: Any) -> Any:

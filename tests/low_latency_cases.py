@@ -1,7 +1,8 @@
 """Low-latency cases run on the NVLink backend and on the CPU backend, compared.
 
-Run on every rank of a RankPool: the NVLink side on the pool's group (NCCL on GPUs, or gloo
-under ``TRITON_INTERPRET=1``), the oracle on a gloo group over CPU copies. Both backends
+Run on every rank of a RankPool, many cases per run (``compare_low_latency_cases``): the NVLink
+side on the pool's group (NCCL on GPUs, or gloo under ``TRITON_INTERPRET=1``), the oracle on a
+gloo group of its own over CPU copies, a case ahead in a thread (case_batches.py). Both backends
 order an expert's rows by source rank, then token, so dispatch outputs must match bit for
 bit: counts, src_info (-1 past the count), layout_range, e4m3 bytes and scales of the valid
 rows, stats. Combine must match within bf16 rounding (the sums run in another order).
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import nvlink_cases
 import torch
 import torch.distributed as dist
-from nvlink_cases import make_buffer
+from case_batches import oracle_group, run_batch
+from nvlink_cases import make_buffer, to_device
 
 import tritonep as deep_ep
 from tritonep.core import fp8
@@ -57,26 +60,27 @@ def symmetric_masks(num_ranks: int, dropped: tuple[int, ...]) -> tuple[tuple[int
 
 def buffers(group: dist.ProcessGroup, rdma_bytes: int, shrink: bool = False) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
     """Build (once per pool, again when more memory is needed) the NVLink buffer and a
-    CPU-backend buffer on a gloo group; with ``shrink``, a separate pair made with enable_shrink."""
+    CPU-backend buffer on the oracle's gloo group; with ``shrink``, a separate pair made with
+    enable_shrink."""
     key = "shrink" if shrink else "plain"
     if _state.get(f"{key} rdma_bytes", 0) < rdma_bytes:
         options = dict(num_rdma_bytes=rdma_bytes, low_latency_mode=True, enable_shrink=shrink)
+        _state.pop(f"{key} nvlink", None)   # the old Buffer's memory goes before the new one is made
         _state[f"{key} nvlink"] = make_buffer(group, "nvlink", **options)
         _state[f"{key} rdma_bytes"] = rdma_bytes
-        if "gloo" not in _state:
-            _state["gloo"] = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
-        _state[f"{key} cpu"] = make_buffer(_state["gloo"], "collective", **options)
+        _state[f"{key} cpu"] = make_buffer(oracle_group(group), "collective", **options)
     return _state[f"{key} nvlink"], _state[f"{key} cpu"]
 
 
 def release_buffers(group: dist.ProcessGroup) -> None:
-    """Drop the Buffers ``buffers`` keeps on this rank and give their GPU memory back, so that a
-    second pool can start beside this one: with 8 ranks sharing one GPU the kept Buffers fill it.
-    The next ``buffers`` call makes new ones."""
+    """Drop the Buffers ``buffers`` and ``nvlink_cases`` keep on this rank and give their GPU
+    memory back, so that a second pool can start beside this one (with 8 ranks sharing one GPU
+    the kept Buffers fill it) and the next test module starts clean. The next calls make new
+    ones."""
     import gc
 
-    for key in [key for key in _state if key != "gloo"]:
-        del _state[key]
+    _state.clear()
+    nvlink_cases.release_buffers(group)
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -155,13 +159,13 @@ def _round(buffer: deep_ep.Buffer, case: LowLatencyCase, inputs, device: torch.d
     if out is not None:
         assert combined.data_ptr() == out.data_ptr()
     src_info, layout_range = handle[0], handle[1]
-    valid = [int(c) for c in count.cpu()]
+    valid = count.tolist()
     result = {"count": count, "src_info": src_info, "layout_range": layout_range, "combined": combined}
     data = packed[0] if case.use_fp8 else packed
-    result["rows"] = [data[e, :valid[e]].cpu() for e in range(len(valid))]
+    result["rows"] = [data[e, :valid[e]] for e in range(len(valid))]
     if case.use_fp8:
-        result["scales"] = [packed[1][e, :valid[e]].cpu() for e in range(len(valid))]
-    return {key: (value.cpu() if isinstance(value, torch.Tensor) else value) for key, value in result.items()}
+        result["scales"] = [packed[1][e, :valid[e]] for e in range(len(valid))]
+    return result
 
 
 def _differences(name: str, got, expected) -> list[str]:
@@ -189,46 +193,81 @@ def _round_masks(case: LowLatencyCase, rank: int, round_index: int) -> tuple:
     return masks, (combine[rank] if combine is not None else None)
 
 
-def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase, skip_rank: int | None = None) -> list[str]:
-    """Mismatches on this rank (empty when the NVLink and CPU backends agree).
-
-    ``skip_rank`` (shrink mode): that rank makes no NVLink call at all, as if it had died; the
-    others must mask it. It still takes part in the CPU oracle, whose collectives need it.
-    """
-    rank = group.rank()
-    rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(case.T, case.hidden, group.size(), case.num_experts)
-    nvlink, cpu = buffers(group, rdma_bytes, shrink=case.masks is not None)
-    experts_local = case.num_experts // group.size()
-    problems: list[str] = []
-    stats = {}
-    for name, device in (("nvlink", nvlink.device), ("cpu", torch.device("cpu"))):
-        stats[name] = {"recv": torch.zeros(experts_local, dtype=torch.int32, device=device)}
+def _expected_rounds(cpu: deep_ep.Buffer, case: LowLatencyCase, rank: int, num_ranks: int) -> dict:
+    """The oracle of a case on this rank: each round's inputs and the CPU backend's results and
+    wait stats (shrink mode), and its cumulative receive stats."""
+    stats = {"recv": torch.zeros(case.num_experts // num_ranks, dtype=torch.int32, device="cpu")}
+    rounds = []
     for round_index in range(case.calls):
         inputs = make_inputs(case, rank, round_index)
         masks, combine_masks = _round_masks(case, rank, round_index)
         if masks is not None:   # fresh wait stats per round: the ranks skipped must get nothing
-            for name, device in (("nvlink", nvlink.device), ("cpu", torch.device("cpu"))):
-                stats[name]["dispatch_wait"] = torch.zeros(group.size(), dtype=torch.int64, device=device)
-                stats[name]["combine_wait"] = torch.zeros(group.size(), dtype=torch.int64, device=device)
-        got = None if rank == skip_rank else _round(nvlink, case, inputs, nvlink.device, stats["nvlink"], masks,
-                                                    combine_masks)
-        expected = _round(cpu, case, inputs, torch.device("cpu"), stats["cpu"], masks, combine_masks)
-        if got is None:
-            continue
-        for key in expected:
-            problems += [f"call {round_index}: {m}" for m in _differences(key, got[key], expected[key])]
-        if masks is not None:
-            skipped = set(masks)
-            for name in ("nvlink", "cpu"):
-                waits = stats[name]["dispatch_wait"].cpu().tolist()
-                problems += [f"call {round_index}: {name} dispatch waited {waits[r]} ns for masked rank {r}"
-                             for r in skipped if waits[r]]
-                waits = stats[name]["combine_wait"].cpu().tolist()
-                problems += [f"call {round_index}: {name} combine waited {waits[r]} ns for masked rank {r}"
-                             for r in skipped | set(combine_masks or ()) if waits[r]]
-    if rank != skip_rank:
-        problems += _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"])
-    return problems
+            stats["dispatch_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device="cpu")
+            stats["combine_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device="cpu")
+        expected = _round(cpu, case, inputs, torch.device("cpu"), stats, masks, combine_masks)
+        waits = {kind: stats[kind].tolist() for kind in ("dispatch_wait", "combine_wait") if masks is not None}
+        rounds.append((inputs, expected, waits))
+    return {"rounds": rounds, "recv": stats["recv"]}
+
+
+def _masked_waits(name: str, round_index: int, waits: dict, masks, combine_masks) -> list[str]:
+    """Shrink mode: the waits recorded for the ranks masked in this round (there must be none)."""
+    skipped = set(masks)
+    return ([f"call {round_index}: {name} dispatch waited {waits['dispatch_wait'][r]} ns for masked rank {r}"
+             for r in skipped if waits["dispatch_wait"][r]]
+            + [f"call {round_index}: {name} combine waited {waits['combine_wait'][r]} ns for masked rank {r}"
+               for r in skipped | set(combine_masks or ()) if waits["combine_wait"][r]])
+
+
+def compare_low_latency_cases(group: dist.ProcessGroup, cases: list[LowLatencyCase],
+                              skip_rank: int | None = None) -> tuple[list[list[str]], list[dict]]:
+    """The mismatches on this rank of each case (empty when the NVLink and CPU backends agree),
+    and each case's timings (``case_batches.run_batch``).
+
+    ``skip_rank`` (shrink mode): that rank makes no NVLink call at all, as if it had died; the
+    others must mask it. It still takes part in the CPU oracle, whose collectives need it.
+    """
+    rank, num_ranks = group.rank(), group.size()
+    # The Buffers first, each sized for the largest case of the batch that uses it: the CPU
+    # Buffers are made on the oracle's group, which its thread then has to itself.
+    needed: dict[bool, int] = {}
+    for case in cases:
+        shrink = case.masks is not None
+        needed[shrink] = max(needed.get(shrink, 0), deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            case.T, case.hidden, num_ranks, case.num_experts))
+    pairs = {shrink: buffers(group, rdma_bytes, shrink) for shrink, rdma_bytes in sorted(needed.items())}
+
+    def oracle(case: LowLatencyCase) -> dict:
+        return _expected_rounds(pairs[case.masks is not None][1], case, rank, num_ranks)
+
+    def compare(case: LowLatencyCase, expected: dict) -> list[str]:
+        if rank == skip_rank:
+            return []
+        nvlink = pairs[case.masks is not None][0]
+        device = nvlink.device
+        stats = {"recv": torch.zeros(case.num_experts // num_ranks, dtype=torch.int32, device=device)}
+        problems: list[str] = []
+        for round_index, (inputs, expected_round, cpu_waits) in enumerate(expected["rounds"]):
+            masks, combine_masks = _round_masks(case, rank, round_index)
+            if masks is not None:
+                stats["dispatch_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+                stats["combine_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+            got = _round(nvlink, case, inputs, device, stats, masks, combine_masks)
+            expected_round = to_device(expected_round, device)
+            for key in expected_round:
+                problems += [f"call {round_index}: {m}" for m in _differences(key, got[key], expected_round[key])]
+            if masks is not None:
+                waits = {kind: stats[kind].tolist() for kind in ("dispatch_wait", "combine_wait")}
+                problems += _masked_waits("nvlink", round_index, waits, masks, combine_masks)
+                problems += _masked_waits("cpu", round_index, cpu_waits, masks, combine_masks)
+        return problems + _differences("recv_stats", stats["recv"], expected["recv"].to(device))
+
+    return run_batch(group, cases, oracle, compare)
+
+
+def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase, skip_rank: int | None = None) -> list[str]:
+    """``compare_low_latency_cases`` for one case: its mismatches on this rank."""
+    return compare_low_latency_cases(group, [case], skip_rank)[0][0]
 
 
 def rejoin_after_clean(group: dist.ProcessGroup, case: LowLatencyCase) -> list[str]:

@@ -1,11 +1,12 @@
 """One dispatch/combine case run twice, NVLink backend vs CPU backend, compared.
 
-Run on every rank of a RankPool. The NVLink side runs on the pool's own group: NCCL with one
-GPU per rank, or gloo with CPU tensors under ``TRITON_INTERPRET=1`` (the same kernels in
-Triton's interpreter). The oracle is always the CPU backend on a gloo group over CPU copies
-of the same inputs. Dispatch must match bit for bit (rows, scales, ids, weights, counts,
-prefix matrix), and combine as far as its rounding allows (``combine_rounding``): exactly on
-the GPU without a bias.
+Run on every rank of a RankPool, many cases per run (``compare_cases``). The NVLink side runs
+on the pool's own group: NCCL with one GPU per rank, or gloo with CPU tensors under
+``TRITON_INTERPRET=1`` (the same kernels in Triton's interpreter). The oracle is always the CPU
+backend on a gloo group of its own over CPU copies of the same inputs, computed a case ahead in
+a thread (case_batches.py); the comparison runs where the NVLink side's results are. Dispatch
+must match bit for bit (rows, scales, ids, weights, counts, prefix matrix), and combine as far
+as its rounding allows (``combine_rounding``): exactly on the GPU without a bias.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import contextlib
 import dataclasses
 import os
 import random
+import threading
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from case_batches import oracle_group, run_batch
 from deep_ep_user import dispatch_with_layout, identity_combine
 
 import tritonep as deep_ep
@@ -65,14 +68,19 @@ def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | No
 
 
 def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
-    """Build (once per pool) the NVLink buffer and a CPU-backend buffer on a gloo group."""
+    """Build (once per pool) the NVLink buffer and a CPU-backend buffer on the oracle's gloo group."""
     if "nvlink" not in _state or _state["nvl_bytes"] < nvl_bytes:
+        _state.pop("nvlink", None)   # the old Buffer's memory goes before the new one is made
         _state["nvlink"] = make_buffer(group, "nvlink", num_nvl_bytes=nvl_bytes)
         _state["nvl_bytes"] = nvl_bytes
         if "cpu" not in _state:
-            gloo = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
-            _state["cpu"] = make_buffer(gloo, "collective")
+            _state["cpu"] = make_buffer(oracle_group(group), "collective")
     return _state["nvlink"], _state["cpu"]
+
+
+def release_buffers(group: dist.ProcessGroup) -> None:
+    """Drop the Buffers ``_buffers`` keeps on this rank (the next call makes new ones)."""
+    _state.clear()
 
 
 def make_inputs(case: Case, rank: int, num_ranks: int) -> dict:
@@ -122,14 +130,15 @@ def _run(buffer: deep_ep.Buffer, case: Case, inputs: dict, device: torch.device)
     for call in range(case.repeats):
         cached_x = buffer.dispatch(_scaled(dispatch_x, 2.0 ** call), handle=handle, config=config)[0]
         result[f"cached_x{call or ''}"] = [t[:real] for t in cached_x] if case.fp8 else cached_x[:real]
-    rows = recv_x[0] if case.fp8 else recv_x
-    expert_out = (rows.float() if not case.fp8 else utils.per_token_cast_back(*recv_x).float()) * 0.5
+    # The experts' output: the rows received (dequantised), halved, then halved again per call.
+    # Powers of two scale bf16 exactly, so the bf16 product is the float32 one rounded.
+    rows = utils.per_token_cast_back(*recv_x) if case.fp8 else recv_x
     bias = inputs["bias"].to(device) if case.bias else None
     for call in range(case.repeats):
-        combined, combined_weights, _ = buffer.combine((expert_out * 2.0 ** -call).to(torch.bfloat16), handle,
+        combined, combined_weights, _ = buffer.combine(rows * 2.0 ** -(call + 1), handle,
                                                        topk_weights=recv_weights, bias=bias, config=config)
         result[f"combined{call or ''}"], result[f"combined_weights{call or ''}"] = combined, combined_weights
-    return _to_cpu(result)
+    return result
 
 
 def _scaled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], factor: float) -> object:
@@ -144,11 +153,13 @@ def _scaled(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], factor: float) 
 
 @contextlib.contextmanager
 def count_replays() -> Iterator[dict[str, int]]:
-    """Count, in this process, the calls that replays served (a replay that returns None sends
-    its call to the general path and is not counted), by the replay key's kind: "cached_dispatch"
-    and "combine" (a handle's table, V1's or V2's), "low_latency" (a Buffer's)."""
+    """Count, in this thread (an oracle thread may run CPU-backend calls beside it), the calls
+    that replays served (a replay that returns None sends its call to the general path and is
+    not counted), by the replay key's kind: "cached_dispatch" and "combine" (a handle's table,
+    V1's or V2's), "low_latency" (a Buffer's)."""
     taken = {"cached_dispatch": 0, "combine": 0, "low_latency": 0}
     learn = ReplayTable.learn
+    counting_thread = threading.get_ident()
 
     class Counted:
         """The replay, counting the calls it serves; its attributes are the replay's (a
@@ -166,7 +177,7 @@ def count_replays() -> Iterator[dict[str, int]]:
             return getattr(self.replay, name)
 
     def counting_learn(table: ReplayTable, key: Hashable, replay: Replay | None) -> None:
-        if replay is not None and not isinstance(replay, Counted):
+        if replay is not None and not isinstance(replay, Counted) and threading.get_ident() == counting_thread:
             # ElasticBuffer keys the same kinds as "v2_cached_dispatch", "v2_combine".
             replay = Counted(replay, key[0].removeprefix("v2_") if isinstance(key[0], str) else "low_latency")
         learn(table, key, replay)
@@ -186,13 +197,14 @@ def _to_device(value, device: torch.device):
     return value.to(device)
 
 
-def _to_cpu(value):
+def to_device(value, device: torch.device):
+    """Tensors in ``value`` (nested lists, tuples and dicts) moved to ``device``."""
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return value.to(device)
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(to_device(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: to_device(v, device) for k, v in value.items()}
     return value
 
 
@@ -228,6 +240,8 @@ def bf16_mismatch(got: torch.Tensor, expected: torch.Tensor, rounding: tuple[int
     zero) steps in each value, else what is wrong."""
     if got.shape != expected.shape:
         return f"got {tuple(got.shape)} expected {tuple(expected.shape)}"
+    if torch.equal(got, expected):   # the common case, in one pass
+        return ""
     got_order, expected_order = _bf16_order(got), _bf16_order(expected)
     # Steps from expected toward zero (negative: away from it); from 0 every step is away.
     toward_zero = torch.where(expected_order == 0, -got_order.abs(),
@@ -256,24 +270,42 @@ def _mismatches(name: str, got, expected, rounding: tuple[int, int] = (0, 0)) ->
     return [] if got == expected else [f"{name}: got {got} expected {expected}"]
 
 
+def compare_cases(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int = 1 << 24,
+                  tuning: dict | None = None) -> tuple[list[list[str]], list[dict]]:
+    """The mismatches on this rank of each case (empty when the backends agree), and each
+    case's timings (``case_batches.run_batch``). ``tuning``: changes to the NVLink backend's
+    ``Tuning`` for these cases (kernel shapes, paths)."""
+    nvlink, cpu = _buffers(group, nvl_bytes)
+    rank, num_ranks = group.rank(), group.size()
+
+    def oracle(case: Case) -> tuple[dict, dict]:
+        inputs = make_inputs(case, rank, num_ranks)
+        return inputs, _run(cpu, case, inputs, torch.device("cpu"))
+
+    def compare(case: Case, oracle_result: tuple[dict, dict]) -> list[str]:
+        inputs, expected = oracle_result
+        default = nvlink.backend.tuning
+        nvlink.backend.tuning = dataclasses.replace(default, **(tuning or {}))
+        try:
+            with count_replays() as taken:
+                got = _run(nvlink, case, inputs, nvlink.device)
+        finally:
+            nvlink.backend.tuning = default
+        problems = _case_mismatches(case, got, to_device(expected, nvlink.device), nvlink.device)
+        # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
+        wanted = {"cached_dispatch": case.repeats - 1, "combine": case.repeats - 1 if not case.bias else 0,
+                  "low_latency": 0}
+        if nvlink.device.type == "cuda" and taken != wanted:
+            problems.append(f"replays taken {taken}, expected {wanted}")
+        return problems
+
+    return run_batch(group, cases, oracle, compare)
+
+
 def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
                  tuning: dict | None = None) -> list[str]:
-    """Returns the list of mismatches on this rank (empty when the backends agree). ``tuning``:
-    changes to the NVLink backend's ``Tuning`` for this case (kernel shapes, paths)."""
-    nvlink, cpu = _buffers(group, nvl_bytes)
-    default = nvlink.backend.tuning
-    nvlink.backend.tuning = dataclasses.replace(default, **(tuning or {}))
-    try:
-        with count_replays() as taken:
-            problems = compare_buffers(nvlink, cpu, case)
-    finally:
-        nvlink.backend.tuning = default
-    # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
-    wanted = {"cached_dispatch": case.repeats - 1, "combine": case.repeats - 1 if not case.bias else 0,
-              "low_latency": 0}
-    if nvlink.device.type == "cuda" and taken != wanted:
-        problems.append(f"replays taken {taken}, expected {wanted}")
-    return problems
+    """``compare_cases`` for one case: its mismatches on this rank."""
+    return compare_cases(group, [case], nvl_bytes, tuning)[0][0]
 
 
 def compare_buffers(buffer: deep_ep.Buffer, cpu: deep_ep.Buffer, case: Case) -> list[str]:
@@ -283,10 +315,16 @@ def compare_buffers(buffer: deep_ep.Buffer, cpu: deep_ep.Buffer, case: Case) -> 
     group = buffer.group
     inputs = make_inputs(case, group.rank(), group.size())
     got = _run(buffer, case, inputs, buffer.device)
-    expected = _run(cpu, case, inputs, torch.device("cpu"))
+    expected = to_device(_run(cpu, case, inputs, torch.device("cpu")), buffer.device)
+    return _case_mismatches(case, got, expected, buffer.device)
+
+
+def _case_mismatches(case: Case, got: dict, expected: dict, device: torch.device) -> list[str]:
+    """What of ``got`` (the results on ``device``) differs from ``expected`` (the CPU backend's,
+    moved there): everything bit for bit, combined rows within ``combine_rounding``."""
     # combined_weights: each slot is summed from recv_weights, which are 0 on every rank but
     # the one with the slot's expert, so both backends give the weight itself, exactly.
-    rounding = combine_rounding(buffer.device, case.bias)
+    rounding = combine_rounding(device, case.bias)
     return [m for key in expected for m in _mismatches(
         key, got[key], expected[key], rounding if key.startswith("combined") and "weights" not in key else (0, 0))]
 

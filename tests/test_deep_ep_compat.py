@@ -36,7 +36,7 @@ from tritonep.rank_pool import RankFailure, group_on_gpu
 
 @pytest.fixture(scope="module", params=RANK_PARAMS)
 def ranks(request: pytest.FixtureRequest):
-    yield from ranks_for(request.param)
+    yield from ranks_for(request)
 
 
 # ------------------------------------------------------------------------------------ constructor, statics

@@ -31,7 +31,7 @@ import tritonep as deep_ep
 
 @pytest.fixture(scope="module", params=RANK_PARAMS)
 def ranks(request: pytest.FixtureRequest):
-    yield from ranks_for(request.param)
+    yield from ranks_for(request)
 
 
 # ------------------------------------------------------------------------------------ low latency

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -35,6 +36,63 @@ def test_results_by_rank_and_errors_carry_tracebacks() -> None:
         with pytest.raises(RankFailure, match=r"(?s)rank 1 ---.*planted failure"):
             pool.run(_fail_on_rank_one)
         assert pool.run(_rank_sum, 0) == [3, 3, 3]   # the pool survives a Python error
+
+
+def _fail_on_rank_one_while_others_wait(group: dist.ProcessGroup) -> int:
+    """Rank 1 raises before a collective the others then wait in, for ever (gloo's own time-out
+    is 30 minutes)."""
+    if group.rank() == 1:
+        raise ValueError("planted failure before the barrier")
+    dist.barrier(group=group)
+    return group.rank()
+
+
+def test_a_failure_releases_the_ranks_left_waiting_for_it() -> None:
+    """The others are stopped a grace period after rank 1's failure, not after the pool's
+    time-out; the error carries rank 1's traceback and names the ranks stopped, and the next
+    run gets a fresh group."""
+    with RankPool(3, timeout=600, failure_grace=2) as pool:
+        start = time.monotonic()
+        with pytest.raises(RankFailure) as failure:
+            pool.run(_fail_on_rank_one_while_others_wait)
+        assert time.monotonic() - start < 60
+        message = str(failure.value)
+        assert "rank 1 ---" in message and "planted failure before the barrier" in message, message
+        assert "rank(s) [0, 2] had not finished" in message, message
+        assert not pool.running
+        assert pool.run(_rank_sum, 0) == [3, 3, 3]
+        assert pool.running
+
+
+def _leave_on_rank_two(group: dist.ProcessGroup) -> int:
+    from tritonep.rank_pool import leave_after_this_run
+
+    if group.rank() == 2:
+        leave_after_this_run()
+    return group.rank()
+
+
+def test_a_rank_that_cannot_go_on_gets_the_pool_replaced() -> None:
+    with RankPool(3, timeout=120) as pool:
+        assert pool.run(_leave_on_rank_two) == [0, 1, 2]   # its result still comes back
+        assert not pool.running
+        assert pool.run(_rank_sum, 0) == [3, 3, 3]
+
+
+def _sleep_on_rank(group: dist.ProcessGroup, rank: int, seconds: float) -> int:
+    if group.rank() == rank:
+        time.sleep(seconds)
+    return group.rank()
+
+
+def test_a_hang_names_the_ranks_that_did_not_finish() -> None:
+    with RankPool(3, timeout=120) as pool:
+        pool.run(_rank_sum, 0)   # started (start-up counts against the first run's time-out)
+        pool.timeout = 3
+        with pytest.raises(RankFailure, match=r"rank\(s\) \[2\] did not finish _sleep_on_rank within 3 s"):
+            pool.run(_sleep_on_rank, 2, 600)
+        pool.timeout = 120
+        assert pool.run(_rank_sum, 0) == [3, 3, 3]   # started afresh
 
 
 def test_a_rank_that_dies_raises_instead_of_hanging() -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from case_batches import check_batch
 from nvlink_cases import (
     Case,
-    compare_case,
+    compare_cases,
     empty_rows_from_numpy,
     fresh_dispatch_in_graph_error,
     fresh_dispatch_sequence,
@@ -31,9 +32,9 @@ from tritonep import nvl_bytes_for
 from tritonep.rank_pool import RankPool
 
 
-def _check(pool: RankPool, case: Case, nvl_bytes: int = 1 << 22, tuning: dict | None = None) -> None:
-    failures = pool.run(compare_case, case, nvl_bytes, tuning)
-    assert all(not f for f in failures), f"{case} {tuning or ''}: {failures}"
+def _check(pool: RankPool, cases: Case | list[Case], nvl_bytes: int = 1 << 22, tuning: dict | None = None) -> None:
+    """Every case on the NVLink and the CPU backend, compared on the ranks: one pool run."""
+    check_batch(pool, compare_cases, cases if isinstance(cases, list) else [cases], nvl_bytes, tuning)
 
 
 INTERPRETER_CASES = [
@@ -76,9 +77,8 @@ def test_interpreter_tuning_variants(interpreter_pools, tuning: dict) -> None:
 def test_interpreter_repeated_calls_reuse_staging(interpreter_pools) -> None:
     """Calls back to back with different program counts: the done-counters must still tell a
     sender when the peer's staging is free (a fixed-count assumption hangs here)."""
-    pool = interpreter_pools(2)
-    for seed, num_sms in zip(range(20, 24), (4, 2, 7, 4)):
-        _check(pool, Case(seed=seed, tokens=(17, 23), hidden=128, num_experts=8, num_topk=2, num_sms=num_sms))
+    _check(interpreter_pools(2), [Case(seed=seed, tokens=(17, 23), hidden=128, num_experts=8, num_topk=2,
+                                       num_sms=num_sms) for seed, num_sms in zip(range(20, 24), (4, 2, 7, 4))])
 
 
 def test_interpreter_too_small_num_worst_tokens_raises_on_next_call(interpreter_pools) -> None:
@@ -141,32 +141,32 @@ def _experts(pool: RankPool, num_experts: int) -> int:
     return num_experts - num_experts % pool.num_ranks
 
 
+RACE_BATCH = 40   # cases per pool run in the race loop
 GPU_SIZES = [0, 1, 127, 4096, 8192]
 GPU_HIDDEN = [2048, 4096, 7168]
 GPU_VARIANTS = ["fp8", "worst", "bias", "skewed", "one_rank", "none", "align"]
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("tokens", GPU_SIZES)
 @pytest.mark.parametrize("hidden", GPU_HIDDEN)
-def test_gpu_matches_cpu_backend(gpu_pool, tokens: int, hidden: int) -> None:
-    case = Case(seed=tokens + hidden, tokens=_tokens(gpu_pool, tokens, max(tokens - 3, 0)), hidden=hidden,
-                num_experts=_experts(gpu_pool, 256), num_topk=8, num_sms=24)
+def test_gpu_matches_cpu_backend(gpu_pool, hidden: int) -> None:
+    """Every size of ``GPU_SIZES`` at this hidden size, in one batch."""
+    cases = [Case(seed=tokens + hidden, tokens=_tokens(gpu_pool, tokens, max(tokens - 3, 0)), hidden=hidden,
+                  num_experts=_experts(gpu_pool, 256), num_topk=8, num_sms=24) for tokens in GPU_SIZES]
     # Sized for the rank count: at 8 ranks, 8192 tokens of 7168 channels need more than 1 GiB
     # (a fixed 1 GiB made the Buffer refuse the call, correctly, 2026-11-24).
-    _check(gpu_pool, case, nvl_bytes=max(1 << 30, nvl_bytes_for(tokens, hidden, gpu_pool.num_ranks)))
+    _check(gpu_pool, cases, nvl_bytes=max(1 << 30, nvl_bytes_for(max(GPU_SIZES), hidden, gpu_pool.num_ranks)))
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("variant", GPU_VARIANTS)
-def test_gpu_variants(gpu_pool, variant: str) -> None:
-    case = Case(seed=GPU_VARIANTS.index(variant), tokens=_tokens(gpu_pool, 1000, 777), hidden=4096,
-                num_experts=_experts(gpu_pool, 64), num_topk=6,
-                num_sms=16,
-                fp8=variant == "fp8", num_worst_tokens=4096 if variant == "worst" else 0, bias=variant == "bias",
-                routing=variant if variant in ("skewed", "one_rank", "none") else "random",
-                expert_alignment=128 if variant == "align" else 1, repeats=2)
-    _check(gpu_pool, case, nvl_bytes=1 << 30)
+def test_gpu_variants(gpu_pool) -> None:
+    """Each of ``GPU_VARIANTS``, in one batch (a failure names the case: its fields say which)."""
+    _check(gpu_pool, [Case(seed=GPU_VARIANTS.index(variant), tokens=_tokens(gpu_pool, 1000, 777), hidden=4096,
+                           num_experts=_experts(gpu_pool, 64), num_topk=6, num_sms=16,
+                           fp8=variant == "fp8", num_worst_tokens=4096 if variant == "worst" else 0,
+                           bias=variant == "bias", routing=variant if variant in ("skewed", "one_rank", "none")
+                           else "random", expert_alignment=128 if variant == "align" else 1, repeats=2)
+                      for variant in GPU_VARIANTS], nvl_bytes=1 << 30)
 
 
 @pytest.mark.gpu(min_gpus=1)
@@ -199,14 +199,14 @@ def test_gpu_repeated_calls_with_a_handle(gpu_pool, form: str) -> None:
 def test_gpu_race_loop(gpu_pool) -> None:
     """120 random cases back to back (random sizes, hidden, routing, SM counts) to shake out races."""
     rng = random.Random(0)
-    for i in range(120):
-        case = Case(seed=10_000 + i, tokens=tuple(rng.choice([0, 1, 5, 64, 300, 1500, 2000])
-                                                  for _ in range(gpu_pool.num_ranks)),
-                    hidden=rng.choice([2048, 4096, 7168]), num_experts=_experts(gpu_pool, rng.choice([16, 64, 256])),
-                    num_topk=rng.choice([1, 4, 8]), fp8=rng.random() < 0.3, bias=rng.random() < 0.3,
-                    routing=rng.choice(["random", "random", "skewed", "one_rank"]),
-                    num_sms=rng.choice([2, 8, 24, 64]), repeats=rng.choice([1, 2, 3]))
-        _check(gpu_pool, case, nvl_bytes=1 << 30)
+    cases = [Case(seed=10_000 + i, tokens=tuple(rng.choice([0, 1, 5, 64, 300, 1500, 2000])
+                                                for _ in range(gpu_pool.num_ranks)),
+                  hidden=rng.choice([2048, 4096, 7168]), num_experts=_experts(gpu_pool, rng.choice([16, 64, 256])),
+                  num_topk=rng.choice([1, 4, 8]), fp8=rng.random() < 0.3, bias=rng.random() < 0.3,
+                  routing=rng.choice(["random", "random", "skewed", "one_rank"]),
+                  num_sms=rng.choice([2, 8, 24, 64]), repeats=rng.choice([1, 2, 3])) for i in range(120)]
+    for first in range(0, len(cases), RACE_BATCH):   # a pool run of minutes at most, each
+        _check(gpu_pool, cases[first:first + RACE_BATCH], nvl_bytes=1 << 30)
 
 
 @pytest.mark.gpu(min_gpus=1)
@@ -214,10 +214,9 @@ def test_gpu_fresh_then_cached_dispatch_repeated(gpu_pool) -> None:
     """The shape of the one race-loop failure of 2026-11-24 (fp8 hidden 2048, one rank with a
     single token, 8 SMs), many times: a receiver that released the peer's staging before all
     its threads had copied it let the next (cached) dispatch overwrite rows still being read."""
-    for round_ in range(40):
-        case = Case(seed=10098 + round_, tokens=_tokens(gpu_pool, 1, 1500), hidden=2048,
-                    num_experts=_experts(gpu_pool, 16), num_topk=4, fp8=round_ % 4 != 3, num_sms=8)
-        _check(gpu_pool, case, nvl_bytes=1 << 30)
+    _check(gpu_pool, [Case(seed=10098 + round_, tokens=_tokens(gpu_pool, 1, 1500), hidden=2048,
+                           num_experts=_experts(gpu_pool, 16), num_topk=4, fp8=round_ % 4 != 3, num_sms=8)
+                      for round_ in range(40)], nvl_bytes=1 << 30)
 
 
 @pytest.mark.gpu(min_gpus=1)

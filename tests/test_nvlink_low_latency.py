@@ -11,10 +11,12 @@ import random
 
 import pytest
 import torch
+from case_batches import check_batch
 from low_latency_cases import (
     SCHEDULES,
     LowLatencyCase,
     compare_low_latency,
+    compare_low_latency_cases,
     graph_replay,
     rejoin_after_clean,
     release_buffers,
@@ -28,9 +30,9 @@ from torch_defaults import pool_options
 from tritonep.rank_pool import RankPool, gpu_ranks
 
 
-def _check(pool: RankPool, case: LowLatencyCase) -> None:
-    problems = pool.run(compare_low_latency, case)
-    assert all(not p for p in problems), f"{case}: {problems}"
+def _check(pool: RankPool, cases: LowLatencyCase | list[LowLatencyCase]) -> None:
+    """Every case on the NVLink and the CPU backend, compared on the ranks: one pool run."""
+    check_batch(pool, compare_low_latency_cases, cases if isinstance(cases, list) else [cases])
 
 
 INTERPRETER_CASES = [
@@ -207,6 +209,7 @@ def test_gpu_repeated_calls(gpu_pool, options: dict) -> None:
 def test_gpu_race_loop(gpu_pool) -> None:
     """40 random cases back to back (sizes, options, hooks) to shake out races between slots."""
     rng = random.Random(1)
+    cases = []
     for i in range(40):
         T = rng.choice([1, 16, 128, 256])
         use_fp8 = rng.random() < 0.6
@@ -218,7 +221,8 @@ def test_gpu_race_loop(gpu_pool) -> None:
             routing=rng.choice(["random", "random", "skewed", "one_expert"]), calls=2)
         case.use_ue8m0 = case.round_scale and rng.random() < 0.5
         case.num_topk = min(case.num_topk, case.num_experts)   # one rank: 4 experts, top-8 impossible
-        _check(gpu_pool, case)
+        cases.append(case)
+    _check(gpu_pool, cases)
 
 
 @pytest.mark.gpu(min_gpus=1)

@@ -4,7 +4,9 @@
 then runs any number of picklable functions on all of them, returning each rank's result.
 Keeping the processes alive lets a test suite run hundreds of cases without paying process
 start-up and group creation for each one. An exception on any rank is re-raised in the caller
-with that rank's traceback. ``default_dtype`` / ``default_device`` run the ranks under other
+with that rank's traceback, promptly: a rank that raised skips the collectives its peers then wait
+in, so after a short grace the pool stops them and starts afresh on the next call, instead of
+waiting out its time-out. ``default_dtype`` / ``default_device`` run the ranks under other
 torch defaults, as serving stacks and DeepEP's own tests set them before building a Buffer.
 """
 
@@ -13,8 +15,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable, Collection
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,6 +67,17 @@ class RankFailure(RuntimeError):
     """A function failed on one or more ranks; the message holds their tracebacks."""
 
 
+_leaving = False   # set in a rank by leave_after_this_run
+
+
+def leave_after_this_run() -> None:
+    """Called in a rank's function: this rank's process cannot serve another function (e.g. a
+    thread of it is left waiting in a collective after a peer failed), so once its result or
+    error is back, the pool stops every rank and the next ``run`` starts new ones."""
+    global _leaving
+    _leaving = True
+
+
 def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, default_dtype: Any = None,
             default_device: Any = None, env: dict[str, str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -99,9 +114,12 @@ def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, defa
             break
         fn, args, kwargs = message
         try:
-            conn.send(("ok", fn(group, *args, **kwargs)))
+            reply = ("ok", fn(group, *args, **kwargs))
         except BaseException as error:  # noqa: BLE001 - every failure goes back to the caller
-            conn.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+            reply = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+        conn.send((*reply, _leaving))
+        if _leaving:
+            return   # its threads may be stuck: no destroy_process_group, the process just ends
     dist.destroy_process_group()
 
 
@@ -121,11 +139,15 @@ class RankPool:
             "cuda": the rank's own GPU) once its process group exists.
         env: environment variables set in every rank's process before anything else (e.g.
             ``TRITONEP_GPUS_PER_NODE``), on top of the environment the ranks inherit.
+        failure_grace: seconds the other ranks get to finish once one rank has failed. A rank that
+            raised skips the collectives left in the function, so its peers may wait in one for
+            ever: past this grace the pool stops its processes and raises with the failure, and
+            the next ``run`` starts new ones.
     """
 
     def __init__(self, num_ranks: int, use_gpu: bool = False, timeout: float = 300.0,
                  default_dtype: torch.dtype | None = None, default_device: str | torch.device | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, failure_grace: float = 30.0) -> None:
         if default_dtype is not None or default_device is not None:
             import torch
 
@@ -136,45 +158,83 @@ class RankPool:
                 default_device = torch.device(default_device)
         self.num_ranks = num_ranks
         self.timeout = timeout
+        self.failure_grace = failure_grace
+        self._options = (use_gpu, default_dtype, default_device, env)
+        self._connections: list[Any] = []
+        self._processes: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
         context = mp.get_context("spawn")
         port = free_port()
-        self._connections = []
-        self._processes = []
-        for rank in range(num_ranks):
+        for rank in range(self.num_ranks):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_worker, daemon=True,
-                                      args=(rank, num_ranks, port, use_gpu, child_end, default_dtype, default_device,
-                                            env))
+                                      args=(rank, self.num_ranks, port, self._options[0], child_end,
+                                            *self._options[1:]))
             process.start()
             self._connections.append(parent_end)
             self._processes.append(process)
 
+    @property
+    def running(self) -> bool:
+        """Whether the ranks' processes are up (False after ``close``, or after a run stopped
+        them; the next ``run`` starts new ones)."""
+        return bool(self._processes)
+
     def run(self, fn: Callable[..., Any], *args: Any, may_exit: Collection[int] = (), **kwargs: Any) -> list[Any]:
         """Call ``fn(group, *args, **kwargs)`` on every rank; returns the results by rank.
 
+        Raises RankFailure with every failed rank's traceback. The ranks are awaited together:
+        once one has failed the others get ``failure_grace`` seconds, then the pool's processes
+        are stopped (and started afresh by the next call, as when any rank's process has ended
+        between calls); ranks that never answer within ``timeout`` are a hang, reported by rank.
+
         ``may_exit``: ranks whose process may die during the call (tests of a killed rank);
-        their result is None. The pool's group then has a dead member: close it after."""
+        their result is None. The pool's group then has a dead member: the next call starts
+        new ranks."""
+        if not self._processes or not all(process.is_alive() for process in self._processes):
+            # Stopped after a failure, or a rank's process has ended since: a fresh group.
+            self.close(force=True)
+            self._start()
+        name = getattr(fn, "__name__", fn)
         for conn in self._connections:
             conn.send((fn, args, kwargs))
-        results, failures = [], []
-        for rank, conn in enumerate(self._connections):
-            if not conn.poll(self.timeout):
-                self.close(force=True)
-                raise RankFailure(f"rank {rank} did not finish {getattr(fn, '__name__', fn)} within "
-                                  f"{self.timeout:.0f} s (hang?)")
-            try:
-                status, value = conn.recv()
-            except EOFError:   # the rank's process died (killed, or a crash in native code)
-                if rank in may_exit:
-                    results.append(None)
+        results: list[Any] = [None] * self.num_ranks
+        failures: dict[int, str] = {}
+        waiting = {conn: rank for rank, conn in enumerate(self._connections)}
+        deadline = time.monotonic() + self.timeout
+        exited = False
+        while waiting:
+            ready = wait(list(waiting), timeout=max(deadline - time.monotonic(), 0))
+            if not ready:
+                break
+            for conn in ready:
+                rank = waiting.pop(conn)
+                try:
+                    status, value, leaving = conn.recv()
+                except EOFError:   # the rank's process died (killed, or a crash in native code)
+                    if rank not in may_exit:
+                        failures[rank] = f"rank {rank} exited while running {name}"
+                        exited = True
                     continue
-                self.close(force=True)
-                raise RankFailure(f"rank {rank} exited while running {getattr(fn, '__name__', fn)}") from None
-            if status == "error":
-                failures.append(f"--- rank {rank} ---\n{value}")
-            results.append(value)
-        if failures:
-            raise RankFailure("\n".join(failures))
+                exited |= leaving
+                if status == "error":
+                    failures[rank] = f"--- rank {rank} ---\n{value}"
+                results[rank] = value
+            if failures:
+                deadline = min(deadline, time.monotonic() + self.failure_grace)
+        if waiting or exited:
+            self.close(force=True)
+        lines = [failures[rank] for rank in sorted(failures)]
+        if waiting:
+            late = sorted(waiting.values())
+            if not failures:
+                raise RankFailure(f"rank(s) {late} did not finish {name} within {self.timeout:.0f} s (hang?)")
+            lines.append(f"--- rank(s) {late} had not finished {name} {self.failure_grace:.0f} s after rank(s) "
+                         f"{sorted(failures)} failed: the pool stopped its processes (the next run starts new ones)")
+        if lines:
+            raise RankFailure("\n".join(lines))
         return results
 
     def close(self, force: bool = False) -> None:
@@ -188,6 +248,9 @@ class RankPool:
             process.join(timeout=0 if force else 10)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=10)
+        for conn in self._connections:
+            conn.close()
         self._processes = []
         self._connections = []
 

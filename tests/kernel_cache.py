@@ -1,0 +1,110 @@
+"""The GPU suite's Triton kernels compiled on all the host's cores before the ranks need them.
+
+The GPU cases specialise the kernels on many shapes (hidden size, top-k, SM count, fp8, bias:
+constexprs), and each rank compiles each specialisation when it first launches it, one after
+another, on the way of its case; the ranks of a pool even compile the same ones side by side.
+On a machine with a cold Triton cache that is much of a GPU run. So a GPU session can list
+every kernel it compiled (``record``: Triton's own specialisation data, the input of
+``JITFunction.preload``), and a later session compiles that list on spare cores in the
+background (``warm_in_background``) while the ranks start: Triton's disk cache then holds what
+they ask for (the same cache key: same source, signature, constexprs, attributes, options and
+target). An entry the current kernels no longer accept fails alone and is counted; a kernel
+not listed is compiled by the rank, as without the list.
+
+    TRITONEP_TEST_KERNELS_OUT=file    this session appends what it compiles to ``file`` (each
+                                      rank: ``awk '!seen[$0]++'`` keeps the first of each)
+    TRITONEP_TEST_KERNELS=file        the list warmed at the start of a GPU session, if present
+                                      (default tests/gpu_kernels.jsonl)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+OUT_VARIABLE = "TRITONEP_TEST_KERNELS_OUT"
+KERNEL_LIST = Path(os.environ.get("TRITONEP_TEST_KERNELS", Path(__file__).with_name("gpu_kernels.jsonl")))
+
+
+def entry(target: Any, specialization_data: str) -> str:
+    """One line of a kernel list: the compile target and Triton's specialisation data."""
+    return json.dumps({"target": [target.backend, target.arch, target.warp_size],
+                       "kernel": json.loads(specialization_data)})
+
+
+def record(group: Any, path: str) -> None:
+    """On a rank: from now on append every kernel this process compiles (or loads from Triton's
+    cache) to ``path``, one line each (one write per line: the ranks share the file)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    chained = knobs.runtime.jit_post_compile_hook
+
+    def append(**kwargs: Any) -> Any:
+        line = entry(target, kwargs["compile"]["specialization_data"]) + "\n"
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(descriptor, line.encode())
+        finally:
+            os.close(descriptor)
+        return chained(**kwargs) if chained else None
+
+    knobs.runtime.jit_post_compile_hook = append
+
+
+def compile_entry(line: str) -> str:
+    """Compile one line of a kernel list into Triton's disk cache, as ``JITFunction.preload``
+    would but for the listed target, so that no GPU is needed. Returns the kernel's name."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    listed = json.loads(line)
+    data = listed["kernel"]
+    module, name = data["name"].rsplit(".", 1)
+    kernel = getattr(importlib.import_module(module), name)
+    # Triton's JSON turned tuples into lists and dtypes and constexprs into strings and dicts.
+    constexprs = {tuple(key): tl.dtype(value) if tl.dtype.is_dtype(value) else
+                  tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+                  for key, value in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = {tuple(key): value for key, value in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {key: tuple(value) if isinstance(value, list) else value for key, value in data["signature"].items()}
+    target = GPUTarget(*listed["target"])
+    options = make_backend(target).parse_options(
+        {key: tuple(value) if isinstance(value, list) else value for key, value in data["options"].items()})
+    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return data["name"]
+
+
+class Warming:
+    """The kernels of a list being compiled by a pool of processes (``warm_in_background``)."""
+
+    def __init__(self, lines: list[str], workers: int) -> None:
+        self.workers = workers
+        self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+        self.futures: list[Future] = [self._executor.submit(compile_entry, line) for line in lines]
+
+    def stop(self) -> str:
+        """Cancel what has not started; a line saying what was compiled."""
+        done = [future for future in self.futures if future.done() and not future.cancelled()]
+        failed = sum(future.exception() is not None for future in done)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return (f"kernel list: {len(done) - failed} of {len(self.futures)} kernels compiled ahead on "
+                f"{self.workers} processes, {failed} no longer accepted")
+
+
+def warm_in_background(path: Path, workers: int) -> Warming | None:
+    """Start compiling the distinct lines of the kernel list at ``path``, in their order (the
+    order the suite first needed them); None without a list."""
+    if not path.exists() or workers < 1:
+        return None
+    lines = list(dict.fromkeys(line for line in path.read_text().splitlines() if line.strip()))
+    return Warming(lines, workers) if lines else None
