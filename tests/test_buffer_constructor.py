@@ -407,3 +407,33 @@ def test_collective_backend_on_nccl_refuses_no_nvlink_in_low_latency_mode() -> N
         backend_choice.check_backend_options("collective", "nccl", True, False, False)
     backend_choice.check_backend_options("collective", "nccl", False, False, True)   # normal mode: ignored
     backend_choice.check_backend_options("collective", "gloo", True, False, True)    # gloo: no NVLink at all
+
+
+def padding_check_after_overwrite(group) -> list[bool]:
+    """A num_worst_tokens dispatch leaves its padding check to the next call. If the mailbox
+    meanwhile holds a later exchange (a CUDA graph's replay of a captured dispatch writes one),
+    the next call must not wait for the lost epoch; with the epoch there, it still raises."""
+    import torch as _torch
+
+    from tritonep.backends.nvlink.normal.counts import CountExchange
+    from tritonep.backends.nvlink.normal.state import NormalState
+    from tritonep.core.checks import InputError
+
+    state = NormalState(_torch.device("cpu"))
+    counts = CountExchange(state, 0, 1)
+    outcomes = []
+    state.unchecked_padding, counts.mailbox_view[0] = (5, 3), 6   # overwritten by exchange 6
+    counts.check_padding(timeout_ns=10**9)
+    outcomes.append(state.unchecked_padding is None)
+    state.unchecked_padding, counts.mailbox_view[0] = (7, 3), 7   # exchange 7 is there: 9 rows > 3
+    counts.mailbox_view[1:] = 9
+    try:
+        counts.check_padding(timeout_ns=10**9)
+        outcomes.append(False)
+    except InputError as error:
+        outcomes.append("num_worst_tokens=3" in str(error))
+    return outcomes
+
+
+def test_padding_check_skips_an_overwritten_mailbox(nvlink_host_pools) -> None:
+    assert nvlink_host_pools(1).run(padding_check_after_overwrite) == [[True, True]]

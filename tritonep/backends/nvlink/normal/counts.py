@@ -110,9 +110,17 @@ class CountExchange:
         """Every rank holds the same received counts, so with equal num_worst_tokens every rank
         raises here, at the same call, before any communication."""
         state = self.state
-        if state.unchecked_padding is None or (not INTERPRET and torch.cuda.is_current_stream_capturing()):
+        if state.unchecked_padding is None:
             return
         epoch, limit = state.unchecked_padding
+        # The counts are gone once a later exchange overwrote the mailbox (a CUDA graph's
+        # replay of a captured dispatch does, between eager calls), and under capture the host
+        # may not wait for the GPU: then the check is dropped, rather than waiting for an epoch
+        # that will never come back.
+        capturing = not INTERPRET and torch.cuda.is_current_stream_capturing()
+        if self.mailbox_view[0] != epoch and (capturing or self.mailbox_view[0] > epoch):
+            state.unchecked_padding = None
+            return
         state.unchecked_padding = None
         R = self.num_ranks
         # The last row of rank_prefix_matrix: what each rank received (exchanged a call ago, so
