@@ -128,14 +128,17 @@ def main(argv: list[str] | None = None) -> None:
             backends += ["internode"] if args.gpus_per_node else []
             result["low_latency"] = pool.run(low_latency.run_rank, args, backends)[0]
         _report(args, result)
-        if args.gpus_per_node and not args.skip_normal:
-            # Last, and guarded: the one-node figures are printed and saved whatever happens here.
-            try:
+    if args.gpus_per_node and not args.skip_normal:
+        # Last, and guarded: the one-node figures are printed and saved whatever happens here. In
+        # ranks of their own: torch picks a process's symmetric-memory backend (NVSHMEM here, its
+        # CUDA backend for the one-node rows) once, at the first allocation.
+        try:
+            with RankPool(args.ranks, use_gpu=args.use_gpu, timeout=1200) as pool:
                 result["internode"] = pool.run(internode.run_rank, args)[0]
-            except Exception as error:  # noqa: BLE001 - a failed transport is a row of the report
-                result["internode"] = {"error": f"{type(error).__name__}: {error}"}
-            report.print_internode(result["internode"])
-            _write(args, "bench.json", result)
+        except Exception as error:  # noqa: BLE001 - a failed transport is a row of the report
+            result["internode"] = {"error": f"{type(error).__name__}: {error}"}
+        report.print_internode(result["internode"])
+        _write(args, "bench.json", result)
 
 
 def _report(args: argparse.Namespace, result: dict) -> None:

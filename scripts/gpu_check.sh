@@ -44,7 +44,8 @@ run() {
   local name=$1 limit=$2
   shift 2
   echo "== $name: $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # INT first, so that pytest still prints its summary of what ran.
+  timeout -s INT -k 30 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -v Warning "$OUT/$name.log" | tail -n "${TAIL_LINES:-40}"
   [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }

@@ -110,6 +110,26 @@ def gpu_pool(gpu_session_pool):
         gpu_session_pool.run(reset_ranks)
 
 
+@pytest.fixture(scope="module")
+def transport_pool(gpu_pool):
+    """The internode tests' GPU ranks. With one GPU per rank their heap is NVSHMEM's, and torch
+    picks a process's symmetric-memory backend once, at its first allocation: such a module gets
+    ranks of its own, apart from the session's (whose Buffers allocate through torch's CUDA
+    backend). Ranks sharing GPUs use plain stores and torch's CUDA backend: the session's ranks."""
+    from kernel_cache import OUT_VARIABLE
+    from rank_state import prepare_ranks
+    from torch_defaults import pool_options
+
+    ranks = gpu_pool.num_ranks
+    if ranks > torch.cuda.device_count():
+        yield gpu_pool
+        return
+    pool = RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), **pool_options(use_gpu=True))
+    pool.run(prepare_ranks, max(1, len(os.sched_getaffinity(0)) // (2 * ranks)), os.environ.get(OUT_VARIABLE))
+    yield pool
+    pool.close()
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
                             config: pytest.Config) -> None:
     """With ``--durations``: where the time of the batched cases went (case_batches.py)."""

@@ -103,33 +103,33 @@ def _gpu_splits(num_ranks: int) -> list[int]:
 
 @pytest.mark.gpu(min_gpus=2)
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"seed{c.seed}")
-def test_gpu_matches_cpu_backend(gpu_pool, case: Case) -> None:
+def test_gpu_matches_cpu_backend(transport_pool, case: Case) -> None:
     """Every split of the machine's ranks into nodes; NVSHMEM with one GPU per rank, plain
     stores when ranks share GPUs (TRITONEP_GPU_RANKS)."""
-    R = gpu_pool.num_ranks
+    R = transport_pool.num_ranks
     case = Case(**{**case.__dict__, "tokens": case.tokens[:1] * R})
     for ranks_per_node in _gpu_splits(R):
-        _check(gpu_pool, case, ranks_per_node, 1 << 29)
+        _check(transport_pool, case, ranks_per_node, 1 << 29)
     import torch
 
     expected = "stores" if R > torch.cuda.device_count() else "nvshmem"
     for ranks_per_node in _gpu_splits(R):
-        assert set(gpu_pool.run(transport_of, ranks_per_node, 1 << 29)) == {expected}
+        assert set(transport_pool.run(transport_of, ranks_per_node, 1 << 29)) == {expected}
 
 
 @pytest.mark.gpu(min_gpus=2)
-def test_gpu_race_loop(gpu_pool) -> None:
+def test_gpu_race_loop(transport_pool) -> None:
     """Many calls back to back with random shapes: every wait and release across calls."""
     import random
 
     rng = random.Random(5)
-    R = gpu_pool.num_ranks
+    R = transport_pool.num_ranks
     ranks_per_node = _gpu_splits(R)[-1]
     for seed in range(100):
         case = Case(seed=100 + seed, tokens=tuple(rng.randint(0, 300) for _ in range(R)),
                     hidden=rng.choice([512, 2048, 7168]), num_experts=8 * R, num_topk=rng.choice([1, 4, 8]),
                     fp8=rng.random() < 0.4, bias=rng.random() < 0.3, routing=rng.choice(["random", "skewed"]))
-        _check(gpu_pool, case, ranks_per_node, 1 << 29)
+        _check(transport_pool, case, ranks_per_node, 1 << 29)
 
 
 # ---------------------------------------------------------------------------------- compiling
@@ -166,7 +166,7 @@ def test_kernels_compile_for_hopper() -> None:
                             heap_base=1 << 40, rank=1, staging_x=1 << 29, staging_weights=(1 << 29) + (1 << 27),
                             epoch=3, released_target=2, **status),
                        dict(STAGED=128, STAGING_FREE=160, DONE=520, RANKS_PER_NODE=2, NUM_TOPK=8, WEIGHTS_PAD=8,
-                            HAS_WEIGHTS=True, ROWS=8, BLOCK=256, **common))
+                            HAS_WEIGHTS=True, ROWS=8, BLOCK=256, GPU=True))
     compile_for_hopper(combine_kernel.node_reduce_kernel,
                        dict(node_peer_ptrs=I64, transport_table=I64, heap_base=1 << 40, rank=1, prefix_ptr=I32,
                             landing_rows_ptr=I32, kept_pos_ptr=I32, kept_rows=4096, hidden=7168, staging_x=1 << 29,

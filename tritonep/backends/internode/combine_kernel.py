@@ -32,8 +32,7 @@ def stage_kernel(x_ptr, weights_ptr, num_rows, hidden_words, node_peer_ptrs, hea
                  staging_weights, epoch, released_target, status_ptr, timeout_ns,
                  STAGED: tl.constexpr, STAGING_FREE: tl.constexpr, DONE: tl.constexpr,
                  RANKS_PER_NODE: tl.constexpr, NUM_TOPK: tl.constexpr, WEIGHTS_PAD: tl.constexpr,
-                 HAS_WEIGHTS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr,
-                 TRANSPORT: tl.constexpr):
+                 HAS_WEIGHTS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr):
     my_node = rank // RANKS_PER_NODE
     for peer in range(0, RANKS_PER_NODE):
         wait_at_least((heap_base + STAGING_FREE + peer * 8).to(tl.pointer_type(tl.int64)),

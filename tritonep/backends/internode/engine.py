@@ -265,13 +265,13 @@ class InternodeNormal:
         programs = max(1, min(request.config.num_sms, 64))
         pad = weights_pad(k)
         common = dict(RANKS_PER_NODE=G, GPU=GPU_KERNELS)
-        launch(combine_kernel.stage_kernel, programs,
-               (rows.view(torch.int32), weights if weights is not None else out, rows.shape[0], hidden // 2,
-                heap.node_peer_ptrs, heap.base, self.rank, staging_x, staging_weights, epoch, released,
-                self.status.tensor, self.timeout_ns),
-               dict(STAGED=layout.staged, STAGING_FREE=layout.staging_free, DONE=layout.done_counters + 8,
-                    NUM_TOPK=max(k, 1), WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=256,
-                    **common), heap.transport)
+        # Only the node's pointers: no transport operation, so no NVSHMEM module (see ``launch``).
+        combine_kernel.stage_kernel[(programs,)](
+            rows.view(torch.int32), weights if weights is not None else out, rows.shape[0], hidden // 2,
+            heap.node_peer_ptrs, heap.base, self.rank, staging_x, staging_weights, epoch, released,
+            self.status.tensor, self.timeout_ns,
+            STAGED=layout.staged, STAGING_FREE=layout.staging_free, DONE=layout.done_counters + 8,
+            NUM_TOPK=max(k, 1), WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=256, **common)
         launch(combine_kernel.node_reduce_kernel, min(programs, nodes * CHANNELS),
                (heap.node_peer_ptrs, *self._args(), handle.rank_prefix_matrix, plan.landing_rows, plan.kept_pos,
                 plan.kept_pos.shape[1], hidden, staging_x, staging_weights, partial_send, partial_landing, cap, epoch,

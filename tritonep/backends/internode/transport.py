@@ -131,9 +131,11 @@ def wait_signal(heap_base, signal_offset, target, status_ptr, timeout_ns, phase,
 
 def launch(kernel: triton.runtime.JITFunction, grid: int, args: tuple, constants: dict, transport: int,
            num_warps: int = 4) -> None:
-    """``kernel[grid](*args, **constants)``; a kernel that runs NVSHMEM's device functions goes
-    through torch's ``requires_nvshmem``, which links NVSHMEM's device library and initialises
-    each module it compiles."""
+    """``kernel[grid](*args, **constants, TRANSPORT=transport)``, for a kernel that calls
+    ``put_signal`` or ``signal_add``. With NVSHMEM it goes through torch's ``requires_nvshmem``,
+    which links NVSHMEM's device library and initialises each module it compiles; that
+    initialisation fails (``nvshmemx_cumodule_init`` error 7) on a module that calls no NVSHMEM
+    function, so a kernel that only waits or uses node pointers is launched as any other."""
     if transport == NVSHMEM.value:
         kernel = _with_nvshmem(kernel)
     kernel[(grid,)](*args, **constants, TRANSPORT=transport, num_warps=num_warps)
