@@ -53,7 +53,6 @@ except ImportError:   # pragma: no cover - torch builds without distributed
 # None where torch did not define them: a kernel reaches them only with TRANSPORT == NVSHMEM,
 # which the host allows only after ``memory.require_nvshmem`` found NVSHMEM usable.
 _nvshmem_put_signal = getattr(_nvshmem, "putmem_signal_block", None)
-_nvshmem_signal_op = getattr(_nvshmem, "signal_op", None)
 _nvshmem_fence = getattr(_nvshmem, "fence", None)
 
 
@@ -97,26 +96,26 @@ def put_signal(transport_table, heap_base, dst_offset, src_offset, nbytes, signa
         _copy_words((heap_base + src_offset).to(tl.pointer_type(tl.int32)),
                     (remote + dst_offset).to(tl.pointer_type(tl.int32)), nbytes // 4, BLOCK)
         publish((remote + signal_offset).to(tl.pointer_type(tl.int64)), _int64(value))
-    else:
+    else:   # (with nbytes == 0, the signal alone)
         pe = tl.load(transport_table + peer).to(tl.int32)
-        if nbytes > 0:
-            _nvshmem_put_signal(heap_base + dst_offset, heap_base + src_offset, _int64(nbytes),
-                                heap_base + signal_offset, _int64(value), _SIGNAL_SET, pe)
-        else:   # nothing to move: the signal alone
-            _nvshmem_signal_op(heap_base + signal_offset, _int64(value), _SIGNAL_SET, pe)
+        _nvshmem_put_signal(heap_base + dst_offset, heap_base + src_offset, _int64(nbytes),
+                            heap_base + signal_offset, _int64(value), _SIGNAL_SET, pe)
 
 
 @triton.jit
 def signal_add(transport_table, heap_base, signal_offset, value, peer, TRANSPORT: tl.constexpr):
     """Add ``value`` to ``peer``'s int64 word at ``signal_offset``, after this program's
-    earlier stores (STORES: a release add; NVSHMEM: a fence, then the signal operation)."""
+    earlier stores (STORES: a release add; NVSHMEM: a fence, then a put of no bytes with an
+    adding signal). Block-wide: NVSHMEM's ``signal_op`` is a per-thread call, so every thread of
+    the program would add; the block put signals once for the program."""
     if TRANSPORT == STORES:
         add_release(_remote_word(transport_table, heap_base, signal_offset, peer, TRANSPORT), _int64(value))
     else:
         tl.debug_barrier()
         _nvshmem_fence()
         pe = tl.load(transport_table + peer).to(tl.int32)
-        _nvshmem_signal_op(heap_base + signal_offset, _int64(value), _SIGNAL_ADD, pe)
+        _nvshmem_put_signal(heap_base, heap_base, _int64(0), heap_base + signal_offset, _int64(value), _SIGNAL_ADD,
+                            pe)
 
 
 @triton.jit
