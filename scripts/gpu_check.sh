@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [tests|bench|v2|profile|ab|all]
 #     tests    the GPU tests under DeepEP's torch defaults (cuda device, bf16 dtype), at each rank
 #              count of TEST_RANKS (default: one rank per GPU; more ranks than GPUs share them);
-#              TESTS: the files (default: every GPU test file), TEST_FILTER: pytest -k.
+#              TESTS: the files (default: every GPU test file), TEST_FILTER: pytest -k, TEST_TAG: a
+#              suffix for the log's name.
 #     bench    python -m benchmarks at each rank count of BENCH_RANKS (default: one per GPU),
 #              beside DeepEP V1 when .bench_deps holds its sources (built on the CPUs first);
 #              BENCH_ARGS go to every run (e.g. --sweep, --skip-low-latency).
@@ -57,7 +58,7 @@ gpu_tests() {
   for ranks in ${TEST_RANKS:-$GPUS}; do
     TRITONEP_GPU_RANKS=$ranks TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
       TRITONEP_TEST_KERNELS_OUT="$OUT/gpu_kernels_$ranks.jsonl" \
-      run "gpu_tests_$ranks" "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rf -p no:cacheprovider \
+      run "gpu_tests_$ranks${TEST_TAG:-}" "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rf -p no:cacheprovider \
       --durations=40 ${TESTS:-tests} ${TEST_FILTER:+-k "$TEST_FILTER"}
   done
 }

@@ -42,9 +42,10 @@ NVSHMEM = tl.constexpr(1)
 STORES = tl.constexpr(2)
 TRANSPORT_NAMES = {1: "nvshmem", 2: "stores"}
 
-# NVSHMEM's signal operations (nvshmem.h: NVSHMEM_SIGNAL_SET, NVSHMEM_SIGNAL_ADD).
-_SIGNAL_SET = tl.constexpr(0)
-_SIGNAL_ADD = tl.constexpr(5)
+# NVSHMEM's signal operations (its nvshmemx_signal_op_t: NVSHMEM_SIGNAL_SET 9, NVSHMEM_SIGNAL_ADD
+# 10). torch's docstrings give 0 and 5, which NVSHMEM 3.4 takes as an add.
+_SIGNAL_SET = tl.constexpr(9)
+_SIGNAL_ADD = tl.constexpr(10)
 
 try:   # torch defines the device functions only where it finds Triton and a CUDA build
     from torch.distributed._symmetric_memory import _nvshmem_triton as _nvshmem
