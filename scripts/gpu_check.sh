@@ -26,6 +26,8 @@ OUT=$(cd "$OUT" && pwd)
 # Never enable NVLink multicast on the shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITONEP_TIMEOUT_S=${TRITONEP_TIMEOUT_S:-20}
+# Tests check that no launch setup lets a fixed argument change (runtime/launcher.py).
+[ "$MODE" = tests ] && export TRITONEP_CHECK_LAUNCHES=1
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GPUS=$(nvidia-smi -L | wc -l)
 status=0

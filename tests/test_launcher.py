@@ -140,3 +140,15 @@ def test_constants_factory_is_called_only_for_a_new_setup(kernel) -> None:
     assert kernel.launches[-1][0] == "fast" and kernel.launches[-1][3][-1] == 128   # the constexpr in the raw list
     fast(8, "other", (x, 32, out), constants, 4)
     assert len(made) == 2
+
+
+def test_checked_launches_refuse_a_fixed_argument_that_changed(kernel, monkeypatch) -> None:
+    """With TRITONEP_CHECK_LAUNCHES, a setup key that misses an argument is an error, not a
+    launch with the first call's value."""
+    monkeypatch.setattr(launcher, "CHECK_LAUNCHES", True)
+    fast = launcher.FastLauncher(kernel, changing=("x_ptr",))
+    x, out = torch.zeros(64), torch.zeros(64)
+    fast(8, "setup", (x, 32, out), {"BLOCK": 128}, 4)
+    fast(8, "setup", (torch.zeros(64), 32, out), {"BLOCK": 128}, 4)   # only x changed: fine
+    with pytest.raises(RuntimeError, match="argument n changed from 32 to 48"):
+        fast(8, "setup", (x, 48, out), {"BLOCK": 128}, 4)

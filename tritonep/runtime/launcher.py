@@ -20,12 +20,17 @@ they are. Under the interpreter every call is a plain ``kernel[grid](...)``.
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tritonep.runtime.platform import INTERPRET
+
+# TRITONEP_CHECK_LAUNCHES=1 (the GPU tests set it): every repeated launch first checks that the
+# arguments its setup holds fixed did not change, which a setup key missing one would allow.
+CHECK_LAUNCHES = os.environ.get("TRITONEP_CHECK_LAUNCHES") == "1"
 
 
 def _kinds(raw: list[int]) -> tuple[int, ...]:
@@ -163,6 +168,8 @@ class FastLauncher:
         known = self.setups.get(key)
         if known is not None:
             raw = known.args
+            if CHECK_LAUNCHES:
+                self._check_fixed(raw, args, positions)
             for i, value in zip(positions, changing):
                 raw[i] = value
             known(stream)
@@ -174,3 +181,11 @@ class FastLauncher:
         raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
         known = self.setups[key] = _Setup(compiled, grid, raw + [constants[name] for name in self.names[len(args):]])
         return known
+
+    def _check_fixed(self, raw: list, args: tuple, changing_positions: Any) -> None:
+        changing = set(changing_positions)
+        for i, value in enumerate(args):
+            if i not in changing and raw[i] != (value.data_ptr() if isinstance(value, torch.Tensor) else value):
+                raise RuntimeError(f"{getattr(self.kernel, '__name__', self.kernel)}: argument {self.names[i]} "
+                                   f"changed from {raw[i]} to {value} within one launch setup: its setup key "
+                                   "must include it, or the launcher must list it as changing")

@@ -280,7 +280,7 @@ def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos
     grid = 1 + row_programs + token_programs + (num_ranks * groups if expand else 0)
     stats, int32 = request.stats, placeholders(torch.int32)
     _EXPERT_LAYOUT(
-        grid, (launch_generation, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand),
+        grid, (launch_generation, rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand),
         # The kernel's argument groups, in its order.
         (exchange, send_pos, handle.recv_src_idx, recv_idx, request.recv_topk_weights, request.topk_idx,
          stats if stats is not None else int32,
