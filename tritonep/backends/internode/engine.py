@@ -18,7 +18,7 @@ import triton
 
 from tritonep.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from tritonep.backends.internode import combine_kernel, dispatch_kernel
-from tritonep.backends.internode.layout import CHANNELS, HeapLayout, RowPacking, weights_pad
+from tritonep.backends.internode.layout import CHANNELS, PUT_WARPS, HeapLayout, RowPacking, weights_pad
 from tritonep.backends.internode.memory import TransportHeap
 from tritonep.backends.internode.transport import launch
 from tritonep.backends.nvlink.tuning import Tuning
@@ -223,7 +223,7 @@ class InternodeNormal:
                (*self._args(), plan.node_rows, cap, 4 * packing.row_words, send, landing, self.dispatch_epoch,
                 released, self.status.tensor, self.timeout_ns),
                dict(TAIL=layout.landing_tail, FREE=layout.landing_free, RANKS_PER_NODE=G, NUM_NODES=nodes,
-                    CHANNELS=CHANNELS, GPU=GPU_KERNELS), heap.transport)
+                    CHANNELS=CHANNELS, GPU=GPU_KERNELS), heap.transport, num_warps=PUT_WARPS)
         placeholder = recv_src
         k = max(packing.num_topk, 1)
         launch(dispatch_kernel.node_receive_kernel, G * nodes * CHANNELS,
@@ -279,7 +279,7 @@ class InternodeNormal:
                dict(STAGED=layout.staged, STAGING_FREE=layout.staging_free, TAIL=layout.partial_tail,
                     FREE=layout.partial_free, DONE=layout.done_counters + 16, NUM_NODES=nodes, NUM_RANKS=R,
                     CHANNELS=CHANNELS, WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=128,
-                    **common), heap.transport)
+                    **common), heap.transport, num_warps=PUT_WARPS)
         launch(combine_kernel.final_reduce_kernel, programs,
                (*self._args(), plan.node_pos, num_tokens, hidden, partial_landing, cap,
                 bias[0] if bias[0] is not None else out, bias[1] if bias[1] is not None else out, out,

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 from tritonep.backends.nvlink.memory import MAX_LOCAL_EXPERTS
 from tritonep.core.routing import round_up
 
-CHANNELS = 4            # chunks (each with its own signal) of the rows one rank sends one node
+# Chunks (each with its own signal) of the rows one rank sends one node. Each is one program's
+# block-wide put: over NVLink (NVSHMEM's P2P path) the program's threads copy the bytes
+# themselves, so the chunks, and the threads per program (``PUT_WARPS``), set the bandwidth.
+CHANNELS = 16
+PUT_WARPS = 16
 SIGNATURE_WORDS = 8     # (hidden words, scale words, top-k, experts, num_worst_tokens, 0, 0, 0)
 
 
