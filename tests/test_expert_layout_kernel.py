@@ -69,7 +69,8 @@ def one_rank_of_world(seed: int, routing: str, num_ranks: int, experts_per_rank:
     count_matrix = torch.tensor([[sum(d in ranks for ranks in rank_of[s]) for d in range(num_ranks)]
                                  for s in range(num_ranks)], dtype=torch.int32, device="cpu")
     prefix = torch.cumsum(count_matrix, 0, dtype=torch.int32)
-    src, ids, pairs_per_source = [], [], torch.zeros(num_ranks, experts_per_rank, dtype=torch.int32, device="cpu")
+    # Plain Python lists: a tensor op per (token, k) is slow, more so under a default device.
+    src, ids, pairs = [], [], [[0] * experts_per_rank for _ in range(num_ranks)]
     for s in range(num_ranks):
         for t, row in enumerate(topk[s].tolist()):
             if rank in rank_of[s][t]:
@@ -78,7 +79,8 @@ def one_rank_of_world(seed: int, routing: str, num_ranks: int, experts_per_rank:
                 ids.append(local)
                 for e in local:
                     if e >= 0:
-                        pairs_per_source[s, e] += 1
+                        pairs[s][e] += 1
+    pairs_per_source = torch.tensor(pairs, dtype=torch.int32, device="cpu")
     rows = len(src) if exact_rows else num_ranks * T
     recv_src = torch.full((rows,), -1, dtype=torch.int32, device="cpu")
     recv_idx = torch.full((rows, num_topk), -1, dtype=torch.int64, device="cpu")
