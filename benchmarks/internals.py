@@ -3,8 +3,8 @@ internals move, this module is the one to follow them. The rest of ``benchmarks`
 tritonep's public API only (``Buffer``, ``Config``, ``utils``).
 
 * ``RankPool``: R rank processes in one process group (gloo on CPUs, NCCL with a GPU each).
-* ``internode_rdma_bytes``: the internode backend's heap size for a normal-mode problem, from
-  its ``HeapLayout`` and ``RowPacking``.
+* ``internode_rdma_bytes``: the internode backend's heap size for a normal-mode problem
+  (``layout.heap_bytes_for``).
 * The NVLink backend's ``Tuning`` (kernel shapes, the combine's path), reached through
   ``Buffer.backend.tuning`` and swapped on one Buffer for the shape sweep and the SM-only combine.
 """
@@ -15,22 +15,10 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
-from tritonep.backends.internode.layout import HeapLayout, RowPacking
+from tritonep.backends.internode.layout import heap_bytes_for as internode_rdma_bytes
 from tritonep.rank_pool import RankPool
 
 __all__ = ["RankPool", "changed_tuning", "internode_rdma_bytes"]
-
-
-def internode_rdma_bytes(tokens: int, hidden: int, topk: int, num_ranks: int, ranks_per_node: int) -> int:
-    """``num_rdma_bytes`` with which the internode backend takes a bf16 dispatch (the largest
-    rows) and a combine of ``tokens`` tokens per rank, any routing (every token to one node)."""
-    packing = RowPacking(hidden // 2, 0, topk, ranks_per_node)
-    size = 1 << 20
-    while True:
-        layout = HeapLayout(num_ranks, ranks_per_node, size)
-        if min(layout.dispatch(packing.row_words)[0], layout.combine(hidden, topk)[0]) >= tokens:
-            return size
-        size = size * 5 // 4 // 4096 * 4096 + 4096
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ def _calls(group, backend: str, world) -> tuple[list, list]:
 
 
 def _round_trip(buffer, world, rank: int) -> tuple[list, list]:
-    assert type(buffer.backend).__name__ in ("NvlinkBackend", "CollectiveBackend")
+    assert type(buffer.backend).__name__ in ("NvlinkBackend", "InternodeBackend", "CollectiveBackend")
     on = buffer.device
     x, topk, weights, x2 = (tensor.to(on) for tensor in (world.x[rank], world.topk[rank], world.weights[rank],
                                                            world.x2[rank]))
@@ -99,11 +99,42 @@ def case_backends_agree(group, world) -> None:
             f"rank {group.rank()}: combine output {index} differs beyond accumulation order"
 
 
+def case_backends_agree_on_nodes(group, world, ranks_per_node: int) -> None:
+    """The same with the group split into nodes of ``ranks_per_node``: the internode backend
+    against the collective one, which serves a split group with the one-node results."""
+    from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
+
+    previous = os.environ.get(GPUS_PER_NODE_VARIABLE)
+    os.environ[GPUS_PER_NODE_VARIABLE] = str(ranks_per_node)
+    try:
+        case_backends_agree(group, world)
+    finally:
+        if previous is None:
+            os.environ.pop(GPUS_PER_NODE_VARIABLE)
+        else:
+            os.environ[GPUS_PER_NODE_VARIABLE] = previous
+
+
 @pytest.mark.parametrize("alignment", [1, 16])
 def test_nvlink_backend_serves_elastic_buffer(interpreter_pools, alignment):
     world = build_world(2, seed=alignment, H=128, E_local=2, K=3, alignment=alignment, num_biases=1,
                         col_major_scales=True)
     interpreter_pools(2).run(case_backends_agree, world)
+
+
+def test_internode_backend_serves_elastic_buffer(interpreter_pools):
+    """2 nodes of 2 ranks (plain stores under the interpreter)."""
+    world = build_world(4, seed=7, H=128, E_local=2, K=3, alignment=16, num_biases=1, col_major_scales=True)
+    interpreter_pools(4).run(case_backends_agree_on_nodes, world, 2)
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_gpu_internode_backend_serves_elastic_buffer(transport_pool):
+    """Every split of the machine's ranks into nodes (NVSHMEM with one GPU per rank)."""
+    R = transport_pool.num_ranks
+    world = build_world(R, seed=8, strategy="skewed", H=256, E_local=3, K=4, alignment=128, num_biases=1)
+    for ranks_per_node in [g for g in range(1, R) if R % g == 0]:
+        transport_pool.run(case_backends_agree_on_nodes, world, ranks_per_node)
 
 
 @pytest.mark.gpu(min_gpus=1)

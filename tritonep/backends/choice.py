@@ -65,8 +65,7 @@ def check_node_split(kind: str, num_nodes: int, ranks_per_node: int, num_rdma_by
              f"or DeepEP's nodes of 8)")
     if num_rdma_bytes <= 0:
         raise InputError(f"{split}: the internode backend moves rows between nodes through a heap of "
-                         f"num_rdma_bytes, so num_rdma_bytes must be > 0 (got {num_rdma_bytes}; ElasticBuffer "
-                         f"gives it none and is not served across nodes yet)")
+                         f"num_rdma_bytes, so num_rdma_bytes must be > 0 (got {num_rdma_bytes})")
 
 
 def make_backend(kind: str, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,

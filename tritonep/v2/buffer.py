@@ -103,7 +103,9 @@ class ElasticBuffer:
             require(isinstance(value, (int, float)) and value > 0, f"{name} must be positive, got {value!r}")
         kind = backend_kind(dist.get_backend(group))
         self.num_rdma_ranks, self.num_nvlink_ranks = model.physical_domain_size(num_ranks)
-        check_node_split(kind, self.num_rdma_ranks, self.num_nvlink_ranks)
+        # A group that spans nodes gets the internode backend, whose heap is the whole buffer.
+        heap_bytes = num_bytes - num_cpu_bytes if kind == "nvlink" and self.num_rdma_ranks > 1 else 0
+        check_node_split(kind, self.num_rdma_ranks, self.num_nvlink_ranks, heap_bytes)
         # Ranks with different sizes would stage rows differently (NVLink) and ranks on different
         # backends would wait in different collectives.
         check_same_arguments(group, dict(
@@ -127,7 +129,8 @@ class ElasticBuffer:
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.buffer_id = next(_buffer_ids)
-        self.backend: Backend = make_backend(kind, group, self.buffer_id, num_bytes - num_cpu_bytes, 0, False)
+        self.backend: Backend = make_backend(kind, group, self.buffer_id, num_bytes - num_cpu_bytes - heap_bytes,
+                                             heap_bytes, False)
         self.runtime: Backend | None = self.backend   # V2 code tests ``runtime is None`` after destroy()
         self.device = self.backend.device
         self._engine = calls.Engine(self.backend, self.rank_idx, num_ranks, self.num_scaleup_ranks, self.buffer_id)

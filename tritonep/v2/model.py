@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from tritonep.backends.internode.layout import heap_bytes_for
 from tritonep.backends.nvlink.sizes import nvl_bytes_for
 from tritonep.core import topology
 from tritonep.core.checks import InputError, is_int, require
@@ -67,12 +68,16 @@ def buffer_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_
     """Bytes an ElasticBuffer needs so that every rank may receive ``num_max_tokens_per_rank``
     tokens from every rank (the fixed-size outputs of ``do_cpu_sync=False`` need that much):
     the NVLink engine's staging for that many dispatch rows and as many combine rows
-    (:func:`tritonep.nvl_bytes_for`, bf16 rows, which also covers fp8 ones), in 2 MiB units."""
+    (:func:`tritonep.nvl_bytes_for`, bf16 rows, which also covers fp8 ones), and on a group that
+    spans nodes the internode backend's heap for the same, in 2 MiB units."""
     require(is_int(num_max_tokens_per_rank) and num_max_tokens_per_rank > 0,
             f"num_max_tokens_per_rank must be a positive int to size the buffer, got {num_max_tokens_per_rank!r}")
     require(is_int(hidden) and hidden > 0, f"hidden must be a positive int to size the buffer, got {hidden!r}")
     require(is_int(num_topk) and num_topk >= 0, f"num_topk must be an int >= 0, got {num_topk!r}")
     needed = nvl_bytes_for(num_max_tokens_per_rank, hidden, num_ranks, num_topk or SIZING_TOPK)
+    if topology.num_nodes(num_ranks) > 1:   # the internode backend's heap (every token to one node)
+        needed = max(needed, heap_bytes_for(num_max_tokens_per_rank, hidden, num_topk or SIZING_TOPK, num_ranks,
+                                            topology.ranks_per_node(num_ranks)))
     return round_up(needed, BUFFER_ALIGNMENT)
 
 

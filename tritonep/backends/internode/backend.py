@@ -21,7 +21,7 @@ from tritonep.backends.internode.memory import TRANSPORT_VARIABLE, TransportHeap
 from tritonep.backends.internode.transport import STORES
 from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
 from tritonep.backends.nvlink.tuning import Tuning
-from tritonep.core import topology
+from tritonep.core import expert_layout, topology
 from tritonep.core.checks import InputError
 from tritonep.core.handles import LowLatencyHandle
 from tritonep.core.replay import Replay
@@ -79,8 +79,9 @@ class InternodeBackend(base.Backend):
         return self.normal_mode.combine(request)
 
     def expert_layout(self, request: base.ExpertLayoutRequest) -> base.ExpertLayout:
-        raise InputError("DeepEP V2's ElasticBuffer is not served across nodes yet (the internode backend serves "
-                         "V1's Buffer); use one node, or the collective backend (TRITONEP_BACKEND=collective)")
+        # The received rows sit as on one node (source rank, then token): the plain-torch
+        # definition gives V2's fields from them, on the device, without a host sync.
+        return expert_layout.expert_layout(request, self.rank)
 
     # Low-latency mode: the NVLink backend's engine over this heap (module doc).
     def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,

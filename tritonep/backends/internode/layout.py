@@ -151,3 +151,16 @@ class RowPacking:
     @property
     def row_words(self) -> int:            # 16-byte rows
         return round_up(self.pos_word + self.ranks_per_node, 4)
+
+
+def heap_bytes_for(tokens: int, hidden: int, num_topk: int, num_ranks: int, ranks_per_node: int) -> int:
+    """The smallest heap (bytes, 4 KiB steps from 1 MiB, growing by a quarter) that takes a bf16
+    dispatch (the largest rows; fp8 rows are smaller) and a combine of ``tokens`` tokens per rank
+    under any routing: every token to one node."""
+    packing = RowPacking(hidden // 2, 0, num_topk, ranks_per_node)
+    size = 1 << 20
+    while True:
+        layout = HeapLayout(num_ranks, ranks_per_node, size)
+        if min(layout.dispatch(packing.row_words)[0], layout.combine(hidden, num_topk)[0]) >= tokens:
+            return size
+        size = size * 5 // 4 // 4096 * 4096 + 4096
