@@ -515,23 +515,27 @@ def low_latency_only_buffer(group: dist.ProcessGroup) -> tuple[bool, str]:
     return round_trip_ok, ""
 
 
-def empty_rows_from_numpy(group: dist.ProcessGroup) -> list[tuple[int, ...]]:
+def empty_rows_from_numpy(group: dist.ProcessGroup, env: dict[str, str] | None = None,
+                          **buffer_sizes: int) -> list[tuple[int, ...]]:
     """Rank 0 has no tokens and builds its empty inputs with ``torch.from_numpy``, whose zero
-    strides torch's ``view`` refuses; rank 1 sends it nothing either. Dispatch and combine must
-    take them like any empty tensor. Returns the shapes of the received rows and the combined ones."""
+    strides torch's ``view`` refuses; the others send it nothing either (every row goes to the
+    last rank). Dispatch and combine must take them like any empty tensor. The Buffer is made
+    under ``env`` with ``buffer_sizes`` (default: an NVLink one, num_nvl_bytes=4 MiB). Returns
+    the shapes of the received rows and the combined ones."""
     import numpy as np
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
         dist.get_backend(group) == "nccl" else torch.device("cpu")
-    buffer = make_buffer(group, "nvlink", num_nvl_bytes=1 << 22, explicitly_destroy=True)
-    tokens, hidden, experts = (0, 5)[group.rank()], 64, 4 * group.size()
+    buffer = make_buffer(group, "nvlink", env, **(buffer_sizes or dict(num_nvl_bytes=1 << 22)),
+                         explicitly_destroy=True)
+    tokens, hidden, experts = 0 if group.rank() == 0 else 5, 64, 4 * group.size()
     x = torch.from_numpy(np.ones((tokens, hidden), np.float32)).to(torch.bfloat16).to(device)
     topk_idx = torch.from_numpy(np.full((tokens, 2), experts - 1, np.int64)).to(device)   # all to the last rank
     weights = torch.from_numpy(np.ones((tokens, 2), np.float32)).to(device)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
     recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=weights)
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=weights)
     expert_out = torch.from_numpy(np.ones(tuple(recv_x.shape), np.float32)).to(torch.bfloat16).to(device)
     combined, _, _ = buffer.combine(expert_out, handle, topk_weights=recv_weights)
     buffer.destroy()

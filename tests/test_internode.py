@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from nvlink_cases import Case, compare_buffers, make_buffer
+from nvlink_cases import Case, compare_buffers, empty_rows_from_numpy, make_buffer
 
 from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
 from tritonep.rank_pool import RankPool
@@ -77,6 +77,14 @@ def test_interpreter_two_nodes_of_two(interpreter_pools, case: Case) -> None:
 @pytest.mark.parametrize("case", CASES_3X2, ids=lambda c: f"seed{c.seed}")
 def test_interpreter_three_nodes_of_two(interpreter_pools, case: Case) -> None:
     _check(interpreter_pools(6), case, 2)
+
+
+def test_interpreter_empty_rows_from_numpy(interpreter_pools) -> None:
+    """Empty inputs made by torch.from_numpy (zero strides) dispatch and combine across nodes as
+    on one node (runtime.launcher.as_words)."""
+    env = {GPUS_PER_NODE_VARIABLE: "2"}
+    shapes = interpreter_pools(4).run(empty_rows_from_numpy, env, num_rdma_bytes=1 << 22)
+    assert shapes == [[(0, 64), (0, 64)], [(0, 64), (5, 64)], [(0, 64), (5, 64)], [(15, 64), (5, 64)]], shapes
 
 
 def test_interpreter_transport_is_plain_stores(interpreter_pools) -> None:

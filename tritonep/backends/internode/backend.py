@@ -19,12 +19,11 @@ from tritonep.backends import base
 from tritonep.backends.internode.engine import InternodeNormal
 from tritonep.backends.internode.memory import TRANSPORT_VARIABLE, TransportHeap, choose_transport
 from tritonep.backends.internode.transport import STORES
+from tritonep.backends.nvlink.low_latency.backend_calls import LowLatencyBackendCalls
 from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
 from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core import expert_layout, topology
 from tritonep.core.checks import InputError
-from tritonep.core.handles import LowLatencyHandle
-from tritonep.core.replay import Replay
 from tritonep.core.routing import dispatch_layout
 from tritonep.runtime.platform import INTERPRET
 
@@ -34,7 +33,7 @@ _NOT_NORMAL = ("normal-mode calls on the internode backend need a Buffer made wi
                "low-latency mode its num_rdma_bytes heap holds the low-latency calls' slots")
 
 
-class InternodeBackend(base.Backend):
+class InternodeBackend(LowLatencyBackendCalls, base.Backend):
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  low_latency_mode: bool = False) -> None:
         super().__init__(group, buffer_id)
@@ -83,20 +82,8 @@ class InternodeBackend(base.Backend):
         # definition gives V2's fields from them, on the device, without a host sync.
         return expert_layout.expert_layout(request, self.rank)
 
-    # Low-latency mode: the NVLink backend's engine over this heap (module doc).
-    def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,
-                             replay: Replay | None = None) -> base.LowLatencyDispatchResult:
-        return self.low_latency.dispatch(request, self.rank_mask, replay)
-
-    def low_latency_combine(self, request: base.LowLatencyCombineRequest,
-                            replay: Replay | None = None) -> base.LowLatencyCombineResult:
-        return self.low_latency.combine(request, self.rank_mask, replay)
-
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        return self.low_latency.get_next_low_latency_combine_buffer(handle)
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        self.low_latency.clean(self.rank_mask)
+    # Low-latency mode: the NVLink backend's engine over this heap (module doc); its calls come
+    # from LowLatencyBackendCalls.
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None, offset: int,
                                 use_rdma_buffer: bool) -> torch.Tensor:

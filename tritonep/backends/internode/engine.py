@@ -25,6 +25,7 @@ from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core import routing
 from tritonep.core.checks import InputError
 from tritonep.core.handles import DispatchHandle
+from tritonep.runtime.launcher import as_words
 from tritonep.runtime.platform import GPU_KERNELS
 from tritonep.runtime.status import StatusWord, timeout_error
 
@@ -187,9 +188,9 @@ class InternodeNormal:
         """This rank's rows, once per destination node, into its send area (torch ops)."""
         tokens = plan.send_tokens
         rows = torch.zeros(tokens.numel(), packing.row_words, dtype=torch.int32, device=self.device)
-        rows[:, :packing.x_words] = x.view(torch.int32)[tokens]
+        rows[:, :packing.x_words] = as_words(x)[tokens]
         if scales is not None:
-            rows[:, packing.x_words:packing.x_words + packing.scale_words] = scales.view(torch.int32)[tokens]
+            rows[:, packing.x_words:packing.x_words + packing.scale_words] = as_words(scales)[tokens]
         if topk_idx is not None:
             k = packing.num_topk
             rows[:, packing.idx_word:packing.idx_word + 2 * k] = \
@@ -229,8 +230,7 @@ class InternodeNormal:
         launch(dispatch_kernel.node_receive_kernel, G * nodes * CHANNELS,
                (heap.node_peer_ptrs, *self._args(), landing, cap, packing.row_words, plan.landing_rows, prefix,
                 packing.x_words, packing.scale_words, packing.idx_word, packing.weights_word, packing.src_word,
-                packing.pos_word, recv_x.view(torch.int32) if recv_x.numel() else placeholder,
-                recv_scales.view(torch.int32) if recv_scales is not None else placeholder,
+                packing.pos_word, as_words(recv_x), as_words(recv_scales) if recv_scales is not None else placeholder,
                 recv_idx if recv_idx is not None else placeholder,
                 recv_weights if recv_weights is not None else placeholder, recv_src, num_out_rows, plan.kept_pos,
                 plan.kept_pos.shape[1], max(num_experts // R, 1), self.dispatch_epoch, self.status.tensor,
@@ -267,7 +267,7 @@ class InternodeNormal:
         common = dict(RANKS_PER_NODE=G, GPU=GPU_KERNELS)
         # Only the node's pointers: no transport operation, so no NVSHMEM module (see ``launch``).
         combine_kernel.stage_kernel[(programs,)](
-            rows.view(torch.int32), weights if weights is not None else out, rows.shape[0], hidden // 2,
+            as_words(rows), weights if weights is not None else out, rows.shape[0], hidden // 2,
             heap.node_peer_ptrs, heap.base, self.rank, staging_x, staging_weights, epoch, released,
             self.status.tensor, self.timeout_ns,
             STAGED=layout.staged, STAGING_FREE=layout.staging_free, DONE=layout.done_counters + 8,

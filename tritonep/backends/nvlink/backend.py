@@ -12,18 +12,17 @@ import torch
 import torch.distributed as dist
 
 from tritonep.backends import base
+from tritonep.backends.nvlink.low_latency.backend_calls import LowLatencyBackendCalls
 from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
 from tritonep.backends.nvlink.memory import SymmetricBuffer, give_back_released
 from tritonep.backends.nvlink.normal.engine import NormalEngine
 from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core.checks import InputError
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
-from tritonep.core.handles import LowLatencyHandle
-from tritonep.core.replay import Replay
 from tritonep.runtime.platform import INTERPRET
 
 
-class NvlinkBackend(base.Backend):
+class NvlinkBackend(LowLatencyBackendCalls, base.Backend):
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
                  low_latency_mode: bool) -> None:
         super().__init__(group, buffer_id)
@@ -88,19 +87,7 @@ class NvlinkBackend(base.Backend):
         return self.normal.expert_layout(request)
 
     # ------------------------------------------------------------------ low-latency mode
-    def low_latency_dispatch(self, request: base.LowLatencyDispatchRequest,
-                             replay: Replay | None = None) -> base.LowLatencyDispatchResult:
-        return self.low_latency.dispatch(request, self.rank_mask, replay)
-
-    def low_latency_combine(self, request: base.LowLatencyCombineRequest,
-                            replay: Replay | None = None) -> base.LowLatencyCombineResult:
-        return self.low_latency.combine(request, self.rank_mask, replay)
-
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        return self.low_latency.get_next_low_latency_combine_buffer(handle)
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        self.low_latency.clean(self.rank_mask)
+    # The calls themselves: LowLatencyBackendCalls, handing them to ``low_latency``.
 
     # ------------------------------------------------------------------ memory
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None, offset: int,

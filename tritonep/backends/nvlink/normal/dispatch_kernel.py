@@ -66,6 +66,22 @@ def _store_fields(values, dst_ptr, dst_rows, row_mask, width, PAD: tl.constexpr)
 
 
 @triton.jit
+def _store_row_fields(scales, experts, weights, src, dst_scales, dst_idx, dst_weights, dst_src, dst_rows, mask,
+                      scale_words, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr,
+                      TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr):
+    """A tile's small fields into rows ``dst_rows`` of their arrays: the scales and the top-k ids
+    and weights where the call has them (None where it does not), then each row's source token.
+    Both halves store them right after the tile's row words; the send half publishes the tile
+    only after them."""
+    if HAS_SCALES:
+        _store_fields(scales, dst_scales, dst_rows, mask, scale_words, SCALE_PAD)
+    if HAS_TOPK:
+        _store_fields(experts, dst_idx, dst_rows, mask, NUM_TOPK, TOPK_PAD)
+        _store_fields(weights, dst_weights, dst_rows, mask, NUM_TOPK, TOPK_PAD)
+    tl.store(dst_src + dst_rows, src, mask=mask)
+
+
+@triton.jit
 def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
                topk_weights_ptr, send_list, lo, hi, start, row_limit, destination, experts_per_rank, dst_x, dst_scales,
                dst_idx, dst_weights, dst_src, tail, stamp, PUBLISH: tl.constexpr, HAS_SCALES: tl.constexpr,
@@ -85,6 +101,9 @@ def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scal
         next_tokens = tl.load(send_list + rows + ROWS, mask=rows + ROWS < hi, other=0)
         # The small fields are loaded before the row moves and stored after it: their load
         # latency hides behind the row's instead of adding to it, tile after tile.
+        scales = None
+        experts = None
+        weights = None
         if HAS_SCALES:
             scale_cols = tl.arange(0, SCALE_PAD)
             scales = tl.load(scales_ptr + tokens.to(tl.int64)[:, None] * scale_token_stride
@@ -94,12 +113,8 @@ def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scal
             experts, weights = _load_topk(topk_idx_ptr, topk_weights_ptr, tokens, mask, destination,
                                           experts_per_rank, NUM_TOPK, TOPK_PAD)
         copy_rows(x_ptr, tokens, x_words, 1, dst_x, dst_rows, mask, x_words, BLOCK, False)
-        if HAS_SCALES:
-            _store_fields(scales, dst_scales, dst_rows, mask, scale_words, SCALE_PAD)
-        if HAS_TOPK:
-            _store_fields(experts, dst_idx, dst_rows, mask, NUM_TOPK, TOPK_PAD)
-            _store_fields(weights, dst_weights, dst_rows, mask, NUM_TOPK, TOPK_PAD)
-        tl.store(dst_src + dst_rows, tokens, mask=mask)
+        _store_row_fields(scales, experts, weights, tokens, dst_scales, dst_idx, dst_weights, dst_src, dst_rows, mask,
+                          scale_words, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD)
         tiles += 1
         if PUBLISH & (tiles % SIGNAL_EVERY == 0):
             publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
@@ -244,6 +259,9 @@ def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, 
                             BLOCK: tl.constexpr):
     base = my_signals.to(tl.int64)
     # As in ``_send_rows``: the small fields' loads go out before the row moves.
+    scales = None
+    experts = None
+    weights = None
     if HAS_SCALES:
         scales = _load_staged_fields((base + staging_scales).to(tl.pointer_type(tl.int32)), rows, mask,
                                      scale_words, SCALE_PAD)
@@ -255,12 +273,8 @@ def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, 
     src = tl.load((base + staging_src).to(tl.pointer_type(tl.int32)) + rows, mask=mask, cache_modifier=".cg")
     copy_rows(tl.multiple_of((base + staging_x).to(tl.pointer_type(tl.int32)), 16), rows, x_words, 1, out_x_ptr,
               rows, mask, x_words, BLOCK, True)
-    if HAS_SCALES:
-        _store_fields(scales, out_scales_ptr, rows, mask, scale_words, SCALE_PAD)
-    if HAS_TOPK:
-        _store_fields(experts, out_idx_ptr, rows, mask, NUM_TOPK, TOPK_PAD)
-        _store_fields(weights, out_weights_ptr, rows, mask, NUM_TOPK, TOPK_PAD)
-    tl.store(out_src_ptr + rows, src, mask=mask)
+    _store_row_fields(scales, experts, weights, src, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, rows,
+                      mask, scale_words, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD)
 
 
 # A launch converts only these arguments per call; the others are fixed per Buffer and tuning
