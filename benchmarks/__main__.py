@@ -3,7 +3,7 @@
     python -m benchmarks [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
                          [--num-sms 24] [--iters 50] [--rounds 2] [--out DIR] [--sweep] [--vs-deepep]
                          [--ll-tokens T] [--ll-experts E] [--skip-normal] [--skip-low-latency]
-                         [--gpus-per-node N [--nic-gbps 50]]
+                         [--gpus-per-node N [--nic-gbps 50] [--internode-only]]
                          [--cpu | --gpu] [--profile | --baseline DIR | --api v2]
 
 Modes, one per run:
@@ -65,6 +65,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-low-latency", action="store_true", help="only the normal-mode part")
     parser.add_argument("--gpus-per-node", type=int, default=0,
                         help="also the internode rows: the group split into nodes of N ranks (internode.py)")
+    parser.add_argument("--internode-only", action="store_true",
+                        help="with --gpus-per-node: only the internode normal-mode rows (no one-node rows)")
     parser.add_argument("--nic-gbps", type=float, default=50.0,
                         help="NIC rate per GPU, GB/s each way, for the internode rows' projected times")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs exist")
@@ -87,6 +89,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.ranks = min(args.ranks, gpus)
     if args.gpus_per_node and (args.ranks % args.gpus_per_node or args.ranks // args.gpus_per_node < 2):
         parser.error(f"--gpus-per-node {args.gpus_per_node} must split the {args.ranks} ranks into 2+ whole nodes")
+    if args.internode_only and (not args.gpus_per_node or args.skip_normal):
+        parser.error("--internode-only needs --gpus-per-node, and the normal mode (no --skip-normal)")
     if args.baseline is not None and args.ranks != 1:
         parser.error("--baseline runs at one rank: --ranks 1")
     for name, on_gpus, on_cpus in (("tokens", 4096, 256), ("hidden", 7168, 512), ("ll_tokens", 128, 16),
@@ -111,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
         ab.print_table(result)
         _write(args, "ab.json", result)
         return
+    if args.internode_only:
+        result: dict = {}
+        _internode(args, result)
+        return
     with RankPool(args.ranks, use_gpu=args.use_gpu, timeout=1200) as pool:
         if args.profile:
             reports = pool.run(kernel_profile.run_rank, args)
@@ -129,16 +137,21 @@ def main(argv: list[str] | None = None) -> None:
             result["low_latency"] = pool.run(low_latency.run_rank, args, backends)[0]
         _report(args, result)
     if args.gpus_per_node and not args.skip_normal:
-        # Last, and guarded: the one-node figures are printed and saved whatever happens here. In
-        # ranks of their own: torch picks a process's symmetric-memory backend (NVSHMEM here, its
-        # CUDA backend for the one-node rows) once, at the first allocation.
-        try:
-            with RankPool(args.ranks, use_gpu=args.use_gpu, timeout=1200) as pool:
-                result["internode"] = pool.run(internode.run_rank, args)[0]
-        except Exception as error:  # noqa: BLE001 - a failed transport is a row of the report
-            result["internode"] = {"error": f"{type(error).__name__}: {error}"}
-        report.print_internode(result["internode"])
-        _write(args, "bench.json", result)
+        _internode(args, result)
+
+
+def _internode(args: argparse.Namespace, result: dict) -> None:
+    """The internode rows into ``result``, printed and saved. Last, and guarded: the one-node
+    figures are printed and saved whatever happens here. In ranks of their own: torch picks a
+    process's symmetric-memory backend (NVSHMEM here, its CUDA backend for the one-node rows)
+    once, at the first allocation."""
+    try:
+        with RankPool(args.ranks, use_gpu=args.use_gpu, timeout=1200) as pool:
+            result["internode"] = pool.run(internode.run_rank, args)[0]
+    except Exception as error:  # noqa: BLE001 - a failed transport is a row of the report
+        result["internode"] = {"error": f"{type(error).__name__}: {error}"}
+    report.print_internode(result["internode"])
+    _write(args, "bench.json", result)
 
 
 def _report(args: argparse.Namespace, result: dict) -> None:

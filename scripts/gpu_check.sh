@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on a GPU machine, one mode per call; logs and JSON go to $OUT (the device
 # tool brings that folder back).
-#   bash scripts/gpu_check.sh [tests|bench|v2|profile|ab|all]
+#   bash scripts/gpu_check.sh [tests|bench|v2|internode|profile|ab|all]
 #     tests    the GPU tests under DeepEP's torch defaults (cuda device, bf16 dtype), at each rank
 #              count of TEST_RANKS (default: one rank per GPU; more ranks than GPUs share them);
 #              TESTS: the files (default: every GPU test file), TEST_FILTER: pytest -k, TEST_TAG: a
@@ -11,6 +11,8 @@
 #              BENCH_ARGS go to every run (e.g. --sweep, --skip-low-latency).
 #     v2       python -m benchmarks --api v2 at each rank count of BENCH_RANKS: ElasticBuffer's calls
 #              beside Buffer's, GPU and host time per call and V2's extra host time.
+#     internode  the internode GPU tests (NVSHMEM with one GPU per rank), then the internode bench rows
+#              alone (--internode-only, nodes of INTERNODE_GPUS_PER_NODE ranks, default half the GPUs).
 #     profile  python -m benchmarks --profile: each normal-mode call's kernels and copies, per rank.
 #     ab       BASELINE=path (a folder holding an older tritonep/): that package against this
 #              checkout at one rank on one GPU, in the same run (python -m benchmarks --ranks 1
@@ -27,7 +29,9 @@ OUT=$(cd "$OUT" && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITONEP_TIMEOUT_S=${TRITONEP_TIMEOUT_S:-20}
 # Tests check that no launch setup lets a fixed argument change (runtime/launcher.py).
-[ "$MODE" = tests ] && export TRITONEP_CHECK_LAUNCHES=1
+case "$MODE" in tests|internode) export TRITONEP_CHECK_LAUNCHES=1 ;; esac
+# NVSHMEM's heap: the internode tests' heaps and the bench's (DeepEP's problem) fit in it.
+export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GPUS=$(nvidia-smi -L | wc -l)
 status=0
@@ -104,6 +108,13 @@ bench_v2() {
   done
 }
 
+internode() {
+  TESTS="tests/test_internode_transport.py tests/test_internode.py tests/test_internode_low_latency.py" \
+    TEST_TAG=_internode gpu_tests
+  run bench_internode "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --gpu --ranks "$GPUS" --internode-only \
+    --gpus-per-node "${INTERNODE_GPUS_PER_NODE:-$((GPUS / 2))}" --out "$OUT/bench_internode"
+}
+
 profile() {
   run profile "${PROFILE_TIMEOUT:-150}" python3 -m benchmarks --profile --out "$OUT/profile"
 }
@@ -118,6 +129,7 @@ case "$MODE" in
   tests) gpu_tests ;;
   bench) bench ;;
   v2) bench_v2 ;;
+  internode) internode ;;
   profile) profile ;;
   ab) ab ;;
   all)
@@ -128,6 +140,6 @@ case "$MODE" in
     profile
     run demo "${DEMO_TIMEOUT:-120}" bash scripts/run_demo.sh
     ;;
-  *) echo "gpu_check.sh: unknown mode '$MODE' (tests, bench, v2, profile, ab, all)"; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$MODE' (tests, bench, v2, internode, profile, ab, all)"; exit 2 ;;
 esac
 exit $status

@@ -121,6 +121,15 @@ def test_internode_rows_beside_one_node_rows_on_cpu_ranks(tmp_path, capsys) -> N
     assert "internode: 2 nodes of 2 ranks" in table and "internode: cached dispatch fp8" in table
 
 
+def test_internode_only(tmp_path, capsys) -> None:
+    """``--internode-only``: the split group's rows and nothing else."""
+    main(["--cpu", "--ranks", "4", "--gpus-per-node", "2", "--internode-only", "--tokens", "16", "--hidden", "256",
+          "--experts", "16", "--topk", "4", "--iters", "2", "--rounds", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert set(result) == {"internode"} and result["internode"]["calls"]["combine"]["us"] > 0
+    assert "all_to_all_single" not in capsys.readouterr().out
+
+
 def test_internode_traffic_rows_match_a_count_by_hand() -> None:
     """Rows crossing nodes once per (token, other node); rows forwarded inside a node once per
     (token, taking rank) but the rank of the sender's local index, which the row lands at."""
