@@ -147,6 +147,7 @@ def test_kernels_compile_for_hopper() -> None:
     from test_kernels_compile import BF16, F32, I32, I64, compile_for_hopper
 
     from tritonep.backends.internode import combine_kernel, dispatch_kernel
+    from tritonep.backends.internode.layout import CHANNELS, NODE_BLOCK, PUT_WARPS, RECEIVE_WARPS
     from tritonep.backends.internode.transport import STORES
 
     common = dict(GPU=True, TRANSPORT=STORES.value)
@@ -157,7 +158,7 @@ def test_kernels_compile_for_hopper() -> None:
     compile_for_hopper(dispatch_kernel.network_send_kernel,
                        dict(transport_table=I64, heap_base=1 << 40, rank=1, node_rows_ptr=I32, cap=4096,
                             row_bytes=14608, send=1 << 20, landing=1 << 28, epoch=3, released_target=8, **status),
-                       dict(TAIL=64, FREE=256, RANKS_PER_NODE=2, NUM_NODES=2, CHANNELS=4, **common))
+                       dict(TAIL=64, FREE=256, RANKS_PER_NODE=2, NUM_NODES=2, CHANNELS=CHANNELS, **common), PUT_WARPS)
     for has_scales, has_topk in ((False, True), (True, True), (False, False)):
         compile_for_hopper(dispatch_kernel.node_receive_kernel,
                            dict(node_peer_ptrs=I64, transport_table=I64, heap_base=1 << 40, rank=1, landing=1 << 28,
@@ -166,9 +167,9 @@ def test_kernels_compile_for_hopper() -> None:
                                 out_x_ptr=I32, out_scales_ptr=I32, out_idx_ptr=I64, out_weights_ptr=F32,
                                 out_src_ptr=I32, num_out_rows=8192, kept_pos_ptr=I32, kept_rows=4096,
                                 experts_per_rank=32, epoch=3, **status),
-                           dict(TAIL=64, FREE=256, DONE=512, RANKS_PER_NODE=2, NUM_NODES=2, NUM_RANKS=4, CHANNELS=4,
-                                HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, NODE_PAD=2, ROWS=8,
-                                BLOCK=128, **common))
+                           dict(TAIL=64, FREE=256, DONE=512, RANKS_PER_NODE=2, NUM_NODES=2, NUM_RANKS=4,
+                                CHANNELS=CHANNELS, HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8,
+                                NODE_PAD=2, ROWS=8, BLOCK=NODE_BLOCK, **common), RECEIVE_WARPS)
     compile_for_hopper(combine_kernel.stage_kernel,
                        dict(x_ptr=I32, weights_ptr=F32, num_rows=8192, hidden_words=3584, node_peer_ptrs=I64,
                             heap_base=1 << 40, rank=1, staging_x=1 << 29, staging_weights=(1 << 29) + (1 << 27),
@@ -181,13 +182,13 @@ def test_kernels_compile_for_hopper() -> None:
                             staging_weights=(1 << 29) + (1 << 27), partial_send=1 << 30,
                             partial_landing=(1 << 30) + (1 << 28), cap=2048, epoch=3, released_target=2, **status),
                        dict(STAGED=128, STAGING_FREE=160, TAIL=192, FREE=448, DONE=528, RANKS_PER_NODE=2,
-                            NUM_NODES=2, NUM_RANKS=4, CHANNELS=4, WEIGHTS_PAD=8, HAS_WEIGHTS=True, ROWS=8, BLOCK=128,
-                            **common))
+                            NUM_NODES=2, NUM_RANKS=4, CHANNELS=CHANNELS, WEIGHTS_PAD=8, HAS_WEIGHTS=True, ROWS=8,
+                            BLOCK=NODE_BLOCK, **common), PUT_WARPS)
     compile_for_hopper(combine_kernel.final_reduce_kernel,
                        dict(transport_table=I64, heap_base=1 << 40, rank=1, node_pos_ptr=I32, num_tokens=4096,
                             hidden=7168, partial_landing=(1 << 30) + (1 << 28), cap=2048, bias0_ptr=BF16,
                             bias1_ptr=BF16, out_ptr=BF16, out_weights_ptr=F32, epoch=3, **status),
-                       dict(TAIL=192, FREE=448, DONE=536, RANKS_PER_NODE=2, NUM_NODES=2, CHANNELS=4, NUM_TOPK=8,
+                       dict(TAIL=192, FREE=448, DONE=536, RANKS_PER_NODE=2, NUM_NODES=2, CHANNELS=CHANNELS, NUM_TOPK=8,
                             WEIGHTS_PAD=8, HAS_WEIGHTS=True, HAS_BIAS0=True, HAS_BIAS1=False, TOKENS=4, BLOCK=128,
                             **common))
 

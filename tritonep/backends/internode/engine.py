@@ -18,7 +18,15 @@ import triton
 
 from tritonep.backends.base import CombineRequest, CombineResult, DispatchRequest, DispatchResult
 from tritonep.backends.internode import combine_kernel, dispatch_kernel
-from tritonep.backends.internode.layout import CHANNELS, PUT_WARPS, HeapLayout, RowPacking, weights_pad
+from tritonep.backends.internode.layout import (
+    CHANNELS,
+    NODE_BLOCK,
+    PUT_WARPS,
+    RECEIVE_WARPS,
+    HeapLayout,
+    RowPacking,
+    weights_pad,
+)
 from tritonep.backends.internode.memory import TransportHeap
 from tritonep.backends.internode.transport import launch
 from tritonep.backends.nvlink.tuning import Tuning
@@ -238,7 +246,8 @@ class InternodeNormal:
                dict(TAIL=layout.landing_tail, FREE=layout.landing_free, DONE=layout.done_counters, RANKS_PER_NODE=G,
                     NUM_NODES=nodes, NUM_RANKS=R, CHANNELS=CHANNELS, HAS_SCALES=recv_scales is not None,
                     HAS_TOPK=recv_idx is not None, NUM_TOPK=k, TOPK_PAD=triton.next_power_of_2(k),
-                    NODE_PAD=triton.next_power_of_2(G), ROWS=ROWS, BLOCK=128, GPU=GPU_KERNELS), heap.transport)
+                    NODE_PAD=triton.next_power_of_2(G), ROWS=ROWS, BLOCK=NODE_BLOCK, GPU=GPU_KERNELS), heap.transport,
+               num_warps=RECEIVE_WARPS)
 
     # ------------------------------------------------------------------ combine
     def combine(self, request: CombineRequest) -> CombineResult:
@@ -278,7 +287,7 @@ class InternodeNormal:
                 released, self.status.tensor, self.timeout_ns),
                dict(STAGED=layout.staged, STAGING_FREE=layout.staging_free, TAIL=layout.partial_tail,
                     FREE=layout.partial_free, DONE=layout.done_counters + 16, NUM_NODES=nodes, NUM_RANKS=R,
-                    CHANNELS=CHANNELS, WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=128,
+                    CHANNELS=CHANNELS, WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=NODE_BLOCK,
                     **common), heap.transport, num_warps=PUT_WARPS)
         launch(combine_kernel.final_reduce_kernel, programs,
                (*self._args(), plan.node_pos, num_tokens, hidden, partial_landing, cap,

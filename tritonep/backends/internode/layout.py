@@ -28,6 +28,11 @@ from tritonep.core.routing import round_up
 # themselves, so the chunks, and the threads per program (``PUT_WARPS``), set the bandwidth.
 CHANNELS = 16
 PUT_WARPS = 16
+# The programs that read the node's peers (the node receive, the node reduce) take this many
+# columns per step: a remote load's latency is paid per step, so wide steps keep more bytes in
+# flight. The node receive runs with RECEIVE_WARPS.
+NODE_BLOCK = 512
+RECEIVE_WARPS = 8
 SIGNATURE_WORDS = 8     # (hidden words, scale words, top-k, experts, num_worst_tokens, 0, 0, 0)
 
 
