@@ -77,14 +77,11 @@ def gpu_session_pool():
     """The GPU tests' RankPool, started once per session (``gpu_pool``). Beside it, spare cores
     compile the kernels the suite is listed to need (kernel_cache.py)."""
     from kernel_cache import KERNEL_LIST, warm_in_background
-    from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
-
-    from tritonep.rank_pool import RankPool
 
     ranks, cores = gpu_ranks(), len(os.sched_getaffinity(0))
     # Each rank keeps two threads busy (its GPU side, its oracle); the rest compile.
     warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks))
-    pool = RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), **pool_options(use_gpu=True))
+    pool = _gpu_rank_pool(ranks)
     yield pool
     pool.close()
     if warming is not None:
@@ -98,13 +95,9 @@ def gpu_pool(gpu_session_pool):
     their CUDA contexts and NCCL takes seconds); each module finds the ranks as the first one did
     (rank_state.py). ``TRITONEP_TEST_KERNELS_OUT``: the ranks list the kernels they compile there
     (kernel_cache.py)."""
-    from kernel_cache import OUT_VARIABLE
-    from rank_state import prepare_ranks, reset_ranks
+    from rank_state import reset_ranks
 
-    # Again per module: a pool stopped after a failure started new ranks.
-    cores = len(os.sched_getaffinity(0))
-    gpu_session_pool.run(prepare_ranks, max(1, cores // (2 * gpu_session_pool.num_ranks)),
-                         os.environ.get(OUT_VARIABLE))
+    _prepare(gpu_session_pool)   # again per module: a pool stopped after a failure started new ranks
     yield gpu_session_pool
     if gpu_session_pool.running:   # not stopped by a failure
         gpu_session_pool.run(reset_ranks)
@@ -116,18 +109,29 @@ def transport_pool(gpu_pool):
     picks a process's symmetric-memory backend once, at its first allocation: such a module gets
     ranks of its own, apart from the session's (whose Buffers allocate through torch's CUDA
     backend). Ranks sharing GPUs use plain stores and torch's CUDA backend: the session's ranks."""
-    from kernel_cache import OUT_VARIABLE
-    from rank_state import prepare_ranks
-    from torch_defaults import pool_options
-
-    ranks = gpu_pool.num_ranks
-    if ranks > torch.cuda.device_count():
+    if gpu_pool.num_ranks > torch.cuda.device_count():
         yield gpu_pool
         return
-    pool = RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), **pool_options(use_gpu=True))
-    pool.run(prepare_ranks, max(1, len(os.sched_getaffinity(0)) // (2 * ranks)), os.environ.get(OUT_VARIABLE))
+    pool = _gpu_rank_pool(gpu_pool.num_ranks)
+    _prepare(pool)
     yield pool
     pool.close()
+
+
+def _gpu_rank_pool(ranks: int) -> RankPool:
+    """``ranks`` GPU ranks under the suite's torch defaults (``TRITONEP_TEST_DEFAULT_*``)."""
+    from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
+
+    return RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), **pool_options(use_gpu=True))
+
+
+def _prepare(pool: RankPool) -> None:
+    """``rank_state.prepare_ranks`` on every rank: the host's cores shared out (two threads per
+    rank are busy already), the compiled kernels listed where ``TRITONEP_TEST_KERNELS_OUT`` says."""
+    from kernel_cache import OUT_VARIABLE
+    from rank_state import prepare_ranks
+
+    pool.run(prepare_ranks, max(1, len(os.sched_getaffinity(0)) // (2 * pool.num_ranks)), os.environ.get(OUT_VARIABLE))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,

@@ -51,20 +51,26 @@ class Case:
     repeats: int = 1
 
 
-def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | None = None,
-                **kwargs) -> deep_ep.Buffer:
-    """A Buffer on ``backend`` (``TRITONEP_BACKEND``), with ``env`` set while it is built."""
-    settings = {"TRITONEP_BACKEND": backend, **(env or {})}
+@contextlib.contextmanager
+def environment(settings: dict[str, str]) -> Iterator[None]:
+    """``settings`` in ``os.environ`` inside the block; each variable as it was after."""
     previous = {name: os.environ.get(name) for name in settings}
     os.environ.update(settings)
     try:
-        return deep_ep.Buffer(group, **kwargs)
+        yield
     finally:
         for name, value in previous.items():
             if value is None:
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+
+
+def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | None = None,
+                **kwargs) -> deep_ep.Buffer:
+    """A Buffer on ``backend`` (``TRITONEP_BACKEND``), with ``env`` set while it is built."""
+    with environment({"TRITONEP_BACKEND": backend, **(env or {})}):
+        return deep_ep.Buffer(group, **kwargs)
 
 
 def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:

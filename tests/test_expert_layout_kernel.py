@@ -197,7 +197,6 @@ def test_kernel_matches_the_definition(interpreter_pools) -> None:
 
 @pytest.mark.gpu(min_gpus=1)
 def test_gpu_kernel_matches_the_definition(gpu_pool) -> None:
-    for rank, problems in enumerate(gpu_pool.run(layout_problems, SHAPES)):
-        assert problems == [], f"rank {rank}:\n" + "\n".join(problems[:20])
-    for rank, problems in enumerate(gpu_pool.run(layout_problems, LARGE_SHAPES, LARGE_ROUTINGS, LARGE_ALIGNMENTS)):
-        assert problems == [], f"rank {rank}:\n" + "\n".join(problems[:20])
+    for cases in ((SHAPES,), (LARGE_SHAPES, LARGE_ROUTINGS, LARGE_ALIGNMENTS)):
+        for rank, problems in enumerate(gpu_pool.run(layout_problems, *cases)):
+            assert problems == [], f"rank {rank}:\n" + "\n".join(problems[:20])

@@ -10,26 +10,18 @@ within float32 accumulation order. The interpreter tests are marked ``interprete
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from nvlink_cases import environment
 from v2_world import STRATEGIES, build_world, fp8_input
 
 
 def _buffer(group, backend: str, world):
     import tritonep as deep_ep
 
-    previous = os.environ.get("TRITONEP_BACKEND")
-    os.environ["TRITONEP_BACKEND"] = backend
-    try:
+    with environment({"TRITONEP_BACKEND": backend}):
         return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=world.T, hidden=world.H, num_topk=world.K,
                                      explicitly_destroy=True)
-    finally:
-        if previous is None:
-            os.environ.pop("TRITONEP_BACKEND")
-        else:
-            os.environ["TRITONEP_BACKEND"] = previous
 
 
 def _fields(handle) -> list:
@@ -104,15 +96,8 @@ def case_backends_agree_on_nodes(group, world, ranks_per_node: int) -> None:
     against the collective one, which serves a split group with the one-node results."""
     from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
 
-    previous = os.environ.get(GPUS_PER_NODE_VARIABLE)
-    os.environ[GPUS_PER_NODE_VARIABLE] = str(ranks_per_node)
-    try:
+    with environment({GPUS_PER_NODE_VARIABLE: str(ranks_per_node)}):
         case_backends_agree(group, world)
-    finally:
-        if previous is None:
-            os.environ.pop(GPUS_PER_NODE_VARIABLE)
-        else:
-            os.environ[GPUS_PER_NODE_VARIABLE] = previous
 
 
 @pytest.mark.parametrize("alignment", [1, 16])

@@ -224,8 +224,8 @@ def expert_layout_kernel(
                         EXPERT_GROUP, BLOCK_SLOTS)
 
 
-# Per call the tensors and the sizes change; the shape (ranks, T, top-k, experts, options) is the
-# setup, which fixes the grid.
+# Per call the tensors and the sizes change; this rank and the shape (ranks, T, top-k, experts,
+# options) are the setup, which fixes the grid.
 _EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=(
     "exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr", "stats_ptr",
     "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr", "other_slots_ptr",
