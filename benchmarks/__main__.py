@@ -19,7 +19,8 @@ Modes, one per run:
     (``internode.py``) and its low-latency rows (``low_latency.traffic``): time, network and
     NVLink bytes per rank, the network bytes' time at ``--nic-gbps``;
   it prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``;
-* ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank;
+* ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank (with
+  ``--gpus-per-node N``: the internode backend's calls);
   writes ``profile.json``;
 * ``--baseline DIR`` (at ``--ranks 1``): the package at DIR against this checkout, one rank, both
   in one process taking turns (``ab.py``); writes ``ab.json``.

@@ -6,7 +6,9 @@ kernel and the dispatch kernel: the host's share; cached dispatch; combine with 
 engines; combine with SMs only) it runs ``CALLS`` calls under the profiler and reports the mean
 device time per call of each kernel and copy (copy-engine copies show as "Memcpy PtoP" / "Memcpy
 DtoD"), the mean wall time per call, and the last call's timeline. On CPU ranks it profiles the
-collective backend's ops (CPU time), so that the mode runs anywhere.
+collective backend's ops (CPU time), so that the mode runs anywhere. With ``--gpus-per-node N``
+it profiles the internode backend instead (the group split into nodes of N ranks), whose kernels
+are named ``tritonep::internode::*``; its combine has one path, reported as ``combine_copy_engine``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 import tritonep
 
 from . import inputs, timing
-from .internals import changed_tuning
+from .internals import changed_tuning, internode_rdma_bytes
 from .normal import make_buffer
 
 CALLS = 20
@@ -79,10 +81,19 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     x, topk_idx, topk_weights = inputs.routing(args.tokens, args.hidden, args.experts, args.topk, rank, device)
     nvl_bytes = inputs.nvl_bytes(args.tokens, args.hidden, group.size())
-    buffer = make_buffer(group, "nvlink" if gpu else "collective", num_nvl_bytes=nvl_bytes, explicitly_destroy=True)
+    internode = bool(args.gpus_per_node) and gpu
+    if internode:
+        size = internode_rdma_bytes(args.tokens, args.hidden, args.topk, group.size(), args.gpus_per_node)
+        buffer = make_buffer(group, "nvlink", {"TRITONEP_GPUS_PER_NODE": str(args.gpus_per_node)},
+                             num_rdma_bytes=size, explicitly_destroy=True)
+    else:
+        buffer = make_buffer(group, "nvlink" if gpu else "collective", num_nvl_bytes=nvl_bytes,
+                             explicitly_destroy=True)
     config = tritonep.Config(args.num_sms)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    if internode:
+        layout["num_tokens_per_rdma_rank"] = per_node
 
     def fresh() -> object:
         return buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout)
@@ -94,10 +105,10 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
 
     report = {"rank": rank, "recv_rows": recv_x.shape[0]}
     report["layout"] = profile_calls(lambda: buffer.get_dispatch_layout(topk_idx, args.experts), gpu)
-    report["fresh_dispatch"] = profile_calls(fresh, gpu, gaps=("notify_counts", "dispatch"))
+    report["fresh_dispatch"] = profile_calls(fresh, gpu, gaps=None if internode else ("notify_counts", "dispatch"))
     report["cached_dispatch"] = profile_calls(lambda: buffer.dispatch(x, handle=handle, config=config), gpu)
     report["combine_copy_engine"] = profile_calls(combine, gpu)
-    if gpu:
+    if gpu and not internode:
         with changed_tuning(buffer, copy_engine_combine=False):
             report["combine_sm_only"] = profile_calls(combine, gpu)
     buffer.destroy()
