@@ -119,13 +119,17 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, 
     assert "%globaltimer" in kernel.asm["ptx"]
 
 
-# (senders, ranks): SM senders, or none (the rows come from the copy engines in pieces).
-@pytest.mark.parametrize("has_weights,has_bias,senders,num_ranks", [(True, True, 12, 2), (False, False, 12, 2),
-                                                                    (True, False, 0, 2), (False, True, 0, 3)])
-def test_combine_kernel_compiles(has_weights: bool, has_bias: bool, senders: int, num_ranks: int) -> None:
+# (senders, ranks): SM senders, or none (the rows come from the copy engines in pieces);
+# own_slots: V2's weights, each slot's from its expert's rank.
+@pytest.mark.parametrize("has_weights,own_slots,has_bias,senders,num_ranks", [
+    (True, False, True, 12, 2), (False, False, False, 12, 2), (True, True, False, 0, 2), (True, True, True, 12, 3),
+    (False, False, True, 0, 3)])
+def test_combine_kernel_compiles(has_weights: bool, own_slots: bool, has_bias: bool, senders: int,
+                                 num_ranks: int) -> None:
     compile_for_hopper(
         combine_kernel,
-        dict(x_ptr=BF16, x_words_ptr=I32, weights_ptr=F32 if has_weights else BF16, prefix_ptr=I32,
+        dict(x_ptr=BF16, x_words_ptr=I32, weights_ptr=F32 if has_weights else BF16,
+             topk_idx_ptr=I64 if own_slots else BF16, experts_per_rank=32 if own_slots else 1, prefix_ptr=I32,
              is_token_in_rank_ptr=BOOL,
              send_pos_ptr=I32, bias0_ptr=BF16, bias1_ptr=BF16, out_ptr=BF16, out_weights_ptr=F32 if has_weights
              else BF16, num_tokens=4096, hidden=7168, peer_base_ptrs=I64, staging_x=1 << 30,
@@ -133,8 +137,8 @@ def test_combine_kernel_compiles(has_weights: bool, has_bias: bool, senders: int
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=num_ranks,
              RANKS_PAD=_pow2(num_ranks), NUM_SENDERS=senders, NUM_REDUCERS=24 - senders, HAS_WEIGHTS=has_weights,
-             NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias, HAS_BIAS1=has_bias, NUM_CHANNELS=senders or 8, ROWS=8,
-             COPY_BLOCK=2048, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
+             OWN_SLOTS=own_slots, NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias, HAS_BIAS1=has_bias,
+             NUM_CHANNELS=senders or 8, ROWS=8, COPY_BLOCK=2048, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
         num_warps=16)
 
 

@@ -62,6 +62,8 @@ def _round_trip(buffer, world, rank: int) -> tuple[list, list]:
     cached = buffer.dispatch(x2, handle=handle)[0]
     exact += [recv_x, recv_idx, recv_w, *_fields(handle), cached]
     combined += list(buffer.combine(recv_x, handle, topk_weights=recv_w, bias=bias)[:2])
+    # Weights in every slot: each slot's combined weight is its expert's rank's alone (V2).
+    combined += list(buffer.combine(recv_x, handle, topk_weights=recv_w + 1.0)[:2])
     # Repeats with a handle (every layer's backward, every decode step): on a GPU they take the
     # engine's replays (the interpreter compiles no launch to replay, so here the general path).
     for scale in (2.0, 4.0):

@@ -1,9 +1,9 @@
 """ElasticBuffer's repeated calls (a cached dispatch, a combine) take the replays their engine
 handle learnt, launch exactly what V2's general path launches, and add no torch work to V1's
-repeated calls beyond what V2 returns on top (a copy of the received ids; the weights masked to
-V2's meaning). A fresh V2 dispatch adds to V1's fresh dispatch one launch (the expert-layout
-kernel, which makes the handle's fields) and the allocations of its outputs, and, expanded, the
-gather of the rows into their expanded places.
+repeated calls (V2's received ids are the handle's; V2's weights are taken per slot from the
+expert's rank inside the combine kernel's reduction). A fresh V2 dispatch adds to V1's fresh
+dispatch one launch (the expert-layout kernel, which makes the handle's fields) and the
+allocations of its outputs, and, expanded, the gather of the rows into their expanded places.
 
 As in tests/test_normal_repeat.py: a real fresh dispatch on the interpreter makes the handles,
 then the kernels are replaced by stand-ins that record their launches (tests/recorded_launches.py).
@@ -31,7 +31,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonep as deep_ep
 from tritonep.core.replay import ReplayTable
-from tritonep.v2 import calls
 
 TOKENS, HIDDEN, EXPERTS, TOPK, NUM_SMS, CALLS = 12, 256, 8, 3, 4, 3
 DISPATCH_COUNTERS, COMBINE_COUNTERS = ("dispatch_epoch", "dispatch_released"), ("combine_epoch", "combine_released")
@@ -89,13 +88,6 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
     engine_handle = handle._state.engine_handle
     problems: list[str] = []
 
-    masked: list[torch.Tensor] = []   # the weights each combine hands the engine, named like outputs
-    own_slots_only = calls.own_slots_only
-
-    def remembered(*args: object) -> torch.Tensor:
-        masked.append(own_slots_only(*args))
-        return masked[-1]
-
     def both_paths(call: Callable[[], tuple], counters: tuple[str, str], what: str) -> None:
         """``call`` through its replay, then through the general path, from the same counters."""
         before = tuple(getattr(state, counter) for counter in counters)
@@ -104,14 +96,10 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             for counter, value in zip(counters, before):
                 setattr(state, counter, value)
             engine_handle.replays = learnt if through_replay else ReplayTable()
-            RecordedLaunch.log, masked[:] = [], []
-            calls.own_slots_only = remembered
-            try:
-                result = call()
-            finally:
-                calls.own_slots_only = own_slots_only
+            RecordedLaunch.log = []
+            result = call()
             outputs = tuple(item for item in result if not isinstance(item, deep_ep.EPHandle))[:3]
-            runs.append((named_launches(RecordedLaunch.log, outputs + tuple(masked)), result_shapes(outputs),
+            runs.append((named_launches(RecordedLaunch.log, outputs), result_shapes(outputs),
                          tuple(getattr(state, counter) for counter in counters)))
         engine_handle.replays = learnt
         if runs[0] != runs[1]:
@@ -159,8 +147,7 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             expect_error(lambda: v2.combine(bf16(rows), handle, recv_weights[:, :1]), "shape")
             if taken != wanted:
                 problems.append(f"bad calls were served by replays: {taken}, expected {wanted}")
-            # The torch work V2's repeats add to V1's: a copy of the received ids (V2 returns
-            # them from every dispatch), the weights masked to the slots of this rank's experts.
+            # The torch work V2's repeats add to V1's: none.
             config = deep_ep.Config(NUM_SMS)
             x, y, y1 = bf16(), bf16(rows), bf16(recv_x1.shape[0])
             v1_calls = {"cached dispatch": lambda: v1.dispatch(x, handle=handle1, config=config),
@@ -172,8 +159,7 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             v2_ops = {"cached dispatch": torch_ops(lambda: v2.dispatch(x, handle=handle, num_sms=NUM_SMS)),
                       "combine": torch_ops(lambda: v2.combine(y, handle)),
                       "combine, weights": torch_ops(lambda: v2.combine(y, handle, recv_weights))}
-            added = {"cached dispatch": Counter({"aten.clone": 1}), "combine": Counter(),
-                     "combine, weights": Counter({"aten.masked_fill": 1})}
+            added = {"cached dispatch": Counter(), "combine": Counter(), "combine, weights": Counter()}
             for what, expected in added.items():
                 got = v2_ops[what] - v1_ops[what]
                 if got != expected:

@@ -50,12 +50,29 @@ class DispatchResult:
 
 
 @dataclass
+class OwnSlots:
+    """V2's combined weights: slot k of a token takes its weight only from the rank of k's expert
+    (V1's: the sum over every rank the token went to). Said for either end of the combine, so
+    that a backend can apply it where its weights already pass: at the token's rank, or at the
+    expert ranks before the weights leave."""
+
+    topk_idx: torch.Tensor                # [N, K] int64, the dispatch's global expert ids (-1: none)
+    experts_per_rank: int                 # E/R: slot k's rank is topk_idx[t, k] // experts_per_rank
+    other_slots: torch.Tensor             # [M, K] bool per received row: True where k's expert lives elsewhere
+
+    def masked(self, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The received rows' weights with every other rank's slot zeroed (a new tensor)."""
+        return topk_weights.masked_fill(self.other_slots, 0.0)
+
+
+@dataclass
 class CombineRequest:
     x: torch.Tensor                       # [M, H] bf16, M = handle.num_recv_rows
     handle: DispatchHandle
     topk_weights: torch.Tensor | None     # [M, K] float32
     bias: tuple[torch.Tensor | None, torch.Tensor | None]   # each [N, H] bf16 or None
     config: Config
+    own_slots: OwnSlots | None = None     # with topk_weights: V2's combined weights (None: V1's sum)
 
 
 @dataclass
@@ -63,7 +80,8 @@ class CombineResult:
     combined_x: torch.Tensor              # [N, H] bf16
     combined_topk_weights: torch.Tensor | None   # [N, K] float32
     # Called as replay(x, topk_weights) for a combine of the same handle without bias: returns
-    # (combined_x, combined_topk_weights) or None. None: this call cannot be replayed.
+    # (combined_x, combined_topk_weights) or None. None: this call cannot be replayed. With
+    # weights it applies the request's own_slots as learnt (the same topk_idx, read again).
     replay: Replay | None = None
 
 

@@ -7,8 +7,9 @@ handle's fields, which the backend works out from what its dispatch left
 :mod:`tritonep.core.expert_layout` defines them), and, for ``do_expand``, the rows copied to
 their expanded places (:mod:`tritonep.v2.expand`). A cached dispatch is the engine's cached
 dispatch, or, when it also carries top-k weights (which an engine's cached dispatch does not
-move), a fresh engine dispatch of the handle's top-k. Combine masks the weights to V2's meaning
-and, expanded, first sums each token's expert rows. Everything runs inside the caller's stream
+move), a fresh engine dispatch of the handle's top-k. Combine asks the backend for V2's
+weights (``OwnSlots``: each slot's weight from its expert's rank only) and, expanded, first sums
+each token's expert rows. Everything runs inside the caller's stream
 scope (``runtime/streams.py``).
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonep.backends.base import Backend, CombineRequest, DispatchRequest, DispatchResult
+from tritonep.backends.base import Backend, CombineRequest, DispatchRequest, DispatchResult, OwnSlots
 from tritonep.core.config import Config
 from tritonep.core.event import EventOverlap
 from tritonep.core.expert_layout import ExpertLayoutRequest, expand_weights
@@ -136,7 +137,7 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
             recv_scales = expand.expand_rows(recv_scales, fields.expanded_source, options.do_zero_padding)
         recv_weights = fields.expanded_weights
     state = HandleState(engine.buffer_id, engine_handle, recv_idx, fields.other_slots, fields.slots,
-                        fields.expanded_source, rows, call.x.shape[1])
+                        fields.expanded_source, rows, call.x.shape[1], fields.topk_idx, experts_per_rank)
     handle = EPHandle(
         do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=call.expert_alignment,
         num_max_tokens_per_rank=T, num_sms=options.num_sms, topk_idx=fields.topk_idx, num_recv_tokens=num_recv,
@@ -197,7 +198,8 @@ def _cached_outputs(handle: EPHandle, recv_x: torch.Tensor, recv_scales: torch.T
                     recv_weights: torch.Tensor | None, do_expand: bool, do_zero_padding: bool,
                     col_major_sf: bool) -> Received:
     """A cached dispatch's outputs from the engine's rows: expanded by the handle's slots, or
-    with a copy of the handle's local expert ids."""
+    with the handle's local expert ids. Those are the tensor the fresh dispatch returned, not a
+    copy: the routing is the handle's, and no call ever writes that tensor again."""
     state = handle._state
     recv_idx = None
     if do_expand:
@@ -208,7 +210,7 @@ def _cached_outputs(handle: EPHandle, recv_x: torch.Tensor, recv_scales: torch.T
         if recv_weights is not None:
             recv_weights = expand_weights(recv_weights, state.slots, handle.num_expanded_tokens)
     else:
-        recv_idx = state.recv_topk_idx.clone()
+        recv_idx = state.recv_topk_idx
     return Received(recv_x, _col_major(recv_scales, col_major_sf), recv_idx, recv_weights, handle)
 
 
@@ -216,18 +218,23 @@ def replayed_combine(handle: EPHandle, x: torch.Tensor, topk_weights: torch.Tens
                      num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A combine of a non-expanded handle without bias, on the caller's stream, through the
     replay its engine handle learnt: (combined_x, combined_topk_weights), or None as in
-    ``replayed_dispatch``. ``topk_weights``: float32, the shape of the handle's ids, on x's device."""
+    ``replayed_dispatch``. ``topk_weights``: float32, the shape of the handle's ids, on x's device.
+    A replay with weights applies the ``OwnSlots`` it was learnt with, which read the handle's
+    ``topk_idx`` as it was made: a handle whose ``topk_idx`` was replaced takes the general path."""
     state = handle._state
+    if topk_weights is not None and handle.topk_idx is not state.topk_idx:
+        return None
     replay = state.engine_handle.replays.get((_COMBINE, num_sms, topk_weights is None))
     if replay is None:
         return None
-    return replay(x, None if topk_weights is None else own_slots_only(state, topk_weights))
+    return replay(x, topk_weights)
 
 
-def own_slots_only(state: HandleState, weights: torch.Tensor) -> torch.Tensor:
-    """V2 gives each slot k the weight from the rank of k's expert; the engine sums a token's
-    rows over ranks, so every other rank's column k must add 0."""
-    return weights.masked_fill(state.other_slots, 0.0)
+def own_slots(handle: EPHandle) -> OwnSlots:
+    """V2 gives each slot k the weight from the rank of k's expert, where the engines sum a
+    token's weights over ranks: what the backend is asked to do instead."""
+    state = handle._state
+    return OwnSlots(handle.topk_idx, state.experts_per_rank, state.other_slots)
 
 
 def combine(engine: Engine, call: CombineCall, num_sms: int,
@@ -242,13 +249,14 @@ def combine(engine: Engine, call: CombineCall, num_sms: int,
         rows = expand.reduce_rows(call.x, state.slots)
         if weights is not None:
             weights = expand.gather_weights(weights, state.slots)
+        slots_of_rank = None
     else:
         rows = call.x
-        if weights is not None:
-            weights = own_slots_only(state, weights)
+        slots_of_rank = own_slots(handle) if weights is not None else None
     no_bias = call.bias[0] is None and call.bias[1] is None
     result = engine.backend.combine(CombineRequest(rows, state.engine_handle, weights, call.bias,
-                                                   Config(num_sms=num_sms)))
-    if no_bias:
+                                                   Config(num_sms=num_sms), slots_of_rank))
+    # A replay with weights reads the topk_idx it learnt with; only the handle's own is kept alive.
+    if no_bias and (slots_of_rank is None or slots_of_rank.topk_idx is state.topk_idx):
         state.engine_handle.replays.learn((_COMBINE, num_sms, weights is None), result.replay)
     return result.combined_x, result.combined_topk_weights

@@ -23,11 +23,13 @@ class HandleState:
     buffer_id: int                    # the ElasticBuffer that made the handle
     engine_handle: DispatchHandle     # the backend's handle: layout of the received rows
     recv_topk_idx: torch.Tensor       # [rows, K] int64: local expert ids of the received rows, -1 elsewhere
-    other_slots: torch.Tensor         # [rows, K] bool: recv_topk_idx < 0 (the weights combine zeroes)
+    other_slots: torch.Tensor         # [rows, K] bool: recv_topk_idx < 0 (the weights combine drops)
     slots: torch.Tensor | None        # [rows, K] int32: each (row, k)'s expanded row, -1 for none (expanded only)
     expanded_source: torch.Tensor | None  # int32 [expanded rows]: the row each holds, -1 on padding (expanded only)
     rows: int                         # rows of the non-expanded layout (the engine's, padding included)
     hidden: int
+    topk_idx: torch.Tensor            # the EPHandle's topk_idx as made (what combine's replays read)
+    experts_per_rank: int
 
 
 class EPHandle:

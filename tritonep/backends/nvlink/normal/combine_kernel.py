@@ -48,8 +48,9 @@ def _rows_sent_to(prefix_ptr, source, ranks, NUM_RANKS: tl.constexpr):
                   do_not_specialize=["rank", "epoch", "released_target", "num_tokens", "capacity", "timeout_ns"])
 def combine_kernel(
     # Inputs: the rows to return (bf16, and the same memory as 4-byte words), their top-k weights
-    # and the biases (x where absent: never read).
-    x_ptr, x_words_ptr, weights_ptr, bias0_ptr, bias1_ptr, hidden,
+    # and the biases (x where absent: never read); with OWN_SLOTS the dispatch's global expert
+    # ids of this rank's tokens and the experts per rank (x where absent).
+    x_ptr, x_words_ptr, weights_ptr, bias0_ptr, bias1_ptr, hidden, topk_idx_ptr, experts_per_rank,
     # Send plan (the handle's): rank_prefix_matrix, which ranks each token went to, and its
     # position in each rank's send list.
     prefix_ptr, is_token_in_rank_ptr, send_pos_ptr,
@@ -65,7 +66,7 @@ def combine_kernel(
     # Signal words, program roles, row fields, tile shape.
     TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_REDUCERS: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, OWN_SLOTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
     NUM_CHANNELS: tl.constexpr, ROWS: tl.constexpr, COPY_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
     TOKENS: tl.constexpr, STAGE: tl.constexpr, SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
@@ -130,8 +131,8 @@ def combine_kernel(
                             timeout_ns, TAIL_WORD, MAX_CHANNELS, NUM_RANKS, NUM_CHANNELS, GPU)
             reduce_tokens(x_ptr, weights_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr, out_ptr,
                           out_weights_ptr, my_base + staging_x, my_base + staging_weights, row_base, capacity,
-                          stage0, stage1, hidden, rank, NUM_RANKS, RANKS_PAD, HAS_WEIGHTS, NUM_TOPK, TOPK_PAD,
-                          HAS_BIAS0, HAS_BIAS1, BLOCK, TOKENS)
+                          stage0, stage1, hidden, rank, topk_idx_ptr, experts_per_rank, NUM_RANKS, RANKS_PAD,
+                          HAS_WEIGHTS, OWN_SLOTS, NUM_TOPK, TOPK_PAD, HAS_BIAS0, HAS_BIAS1, BLOCK, TOKENS)
         release_staging(peer_base_ptrs, my_signals, rank, released_target + NUM_REDUCERS, reducer == NUM_REDUCERS - 1,
                         status_ptr, timeout_ns, DONE_WORD, NUM_RANKS, GPU)
 
@@ -151,12 +152,13 @@ def staging_row_base(prefix_ptr, rank, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.co
 @triton.jit
 def reduce_tokens(x_ptr, weights_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr, out_ptr,
                   out_weights_ptr, staging_x_address, staging_weights_address, row_base, capacity, t_lo, t_hi,
-                  hidden, rank, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                  NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
-                  BLOCK: tl.constexpr, TOKENS: tl.constexpr):
+                  hidden, rank, topk_idx_ptr, experts_per_rank, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+                  HAS_WEIGHTS: tl.constexpr, OWN_SLOTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                  HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr):
     """out[t] = biases + sum of token t's copies, for tokens [t_lo, t_hi), whose copies have all
     arrived: our own copy from ``x``, every other rank's from staging (``row_base`` + its
-    position in that rank's send list). Sums in float32, stores bf16; weights likewise."""
+    position in that rank's send list). Sums in float32, stores bf16; weights likewise, or,
+    with ``OWN_SLOTS`` (V2), slot k's weight only from the rank of k's expert."""
     ranks = tl.arange(0, RANKS_PAD)
     rank_mask = ranks < NUM_RANKS
     # Staging regions start on 4096-byte boundaries of a symmetric allocation; saying so (and
@@ -198,6 +200,13 @@ def reduce_tokens(x_ptr, weights_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_
         if HAS_WEIGHTS:
             slots = tl.arange(0, TOPK_PAD)
             slot_mask = (slots < NUM_TOPK)[None, None, :]
+            if OWN_SLOTS:
+                # The rank of each slot's expert (-1 for none): the only rank whose weight counts.
+                # Here rather than at the senders, where the weights would need a masked copy.
+                ids = tl.load(topk_idx_ptr + tokens.to(tl.int64)[:, None] * NUM_TOPK + slots[None, :],
+                              mask=token_mask[:, None] & (slots < NUM_TOPK)[None, :], other=-1)
+                owner = tl.where(ids >= 0, ids // experts_per_rank, -1)
+                slot_mask = slot_mask & (ranks[None, :, None] == owner[:, None, :])
             offsets = rows[:, :, None] * NUM_TOPK + slots[None, None, :]
             weights = tl.load(weights_ptr + offsets, mask=own[:, :, None] & slot_mask, other=0.0)
             weights += tl.load(staged_weights + offsets, mask=staged[:, :, None] & slot_mask, other=0.0,
@@ -251,5 +260,5 @@ def _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, 
 # A launch converts only these arguments per call; the others are fixed per Buffer and tuning
 # or by the call's shape and options, which the caller's setup key stands for.
 COMBINE = FastLauncher(combine_kernel, changing=(
-    "x_ptr", "x_words_ptr", "weights_ptr", "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "bias0_ptr",
-    "bias1_ptr", "out_ptr", "out_weights_ptr", "num_tokens", "epoch", "released_target"))
+    "x_ptr", "x_words_ptr", "weights_ptr", "topk_idx_ptr", "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr",
+    "bias0_ptr", "bias1_ptr", "out_ptr", "out_weights_ptr", "num_tokens", "epoch", "released_target"))

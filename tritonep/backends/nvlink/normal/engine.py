@@ -260,6 +260,8 @@ class NormalEngine:
     def combine(self, request: CombineRequest) -> CombineResult:
         x, handle, topk_weights, bias, config = request.x, request.handle, request.topk_weights, request.bias, \
             request.config
+        # V2's weights: the reduction takes each slot's weight from its expert's rank only.
+        own_slots = request.own_slots if topk_weights is not None else None
         self.check_status()
         plan: SendPlan = handle.backend_state
         hidden = x.shape[1]
@@ -284,6 +286,8 @@ class NormalEngine:
         # The kernel's argument groups (combine_kernel.py), in its order.
         args = (x, as_words(x), topk_weights if topk_weights is not None else x,          # inputs
                 bias[0] if bias[0] is not None else x, bias[1] if bias[1] is not None else x, hidden,
+                own_slots.topk_idx if own_slots is not None else x,
+                own_slots.experts_per_rank if own_slots is not None else 1,
                 handle.rank_prefix_matrix, handle.is_token_in_rank, plan.send_pos,                 # send plan
                 out, out_weights if out_weights is not None else out, num_tokens,                  # outputs
                 memory.peer_base_ptrs, self.rank, *regions, capacity,                              # staging area
@@ -292,7 +296,7 @@ class NormalEngine:
         # Everything the launch does not convert per call (see COMBINE) follows from the setup
         # key; the constexprs are built only when a key is new (FastLauncher).
         setup = (state.launch_generation, hidden, num_topk, topk_weights is not None, bias[0] is not None,
-                 bias[1] is not None)
+                 bias[1] is not None, own_slots.experts_per_rank if own_slots is not None else 0)
 
         def constants(senders: int, reducers: int, channels: int) -> Callable[[], dict]:
             def make() -> dict:
@@ -301,6 +305,7 @@ class NormalEngine:
                 return dict(
                     TAIL_WORD=memory.signals.combine_tail, DONE_WORD=memory.signals.combine_done,
                     MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
+                    OWN_SLOTS=own_slots is not None,
                     NUM_TOPK=max(num_topk, 1), TOPK_PAD=pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
                     HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block),
                     TOKENS=combine_tile_tokens(t.tokens, R), STAGE=t.stage, GPU=GPU_KERNELS,

@@ -40,13 +40,14 @@ if TYPE_CHECKING:
 
 
 # Where the per-call values go in the launches' argument lists. A cached dispatch passes no
-# top-k, and a combine no bias or weights, as x's address (never read).
+# top-k, and a combine no bias, weights or expert ids, as x's address (never read). A combine's
+# expert ids (V2's weights, ``OwnSlots``) are the handle's: learnt, not rewritten.
 _D_X, _D_SCALES, _D_TOPK_IDX, _D_TOPK_WEIGHTS, _D_OUT_X, _D_OUT_SCALES, _D_EPOCH, _D_RELEASED = argument_positions(
     dispatch_kernel, "x_ptr", "scales_ptr", "topk_idx_ptr", "topk_weights_ptr", "out_x_ptr", "out_scales_ptr",
     "epoch", "released_target")
-_C_X, _C_X_WORDS, _C_BIAS0, _C_BIAS1, _C_WEIGHTS, _C_OUT, _C_OUT_WEIGHTS, _C_EPOCH, _C_RELEASED = argument_positions(
-    combine_kernel, "x_ptr", "x_words_ptr", "bias0_ptr", "bias1_ptr", "weights_ptr", "out_ptr", "out_weights_ptr",
-    "epoch", "released_target")
+(_C_X, _C_X_WORDS, _C_BIAS0, _C_BIAS1, _C_WEIGHTS, _C_TOPK_IDX, _C_OUT, _C_OUT_WEIGHTS, _C_EPOCH,
+ _C_RELEASED) = argument_positions(combine_kernel, "x_ptr", "x_words_ptr", "bias0_ptr", "bias1_ptr", "weights_ptr",
+                                   "topk_idx_ptr", "out_ptr", "out_weights_ptr", "epoch", "released_target")
 
 
 def _holds(launch: Any, values: dict[int, int]) -> bool:
@@ -144,7 +145,7 @@ class CombineReplay(_HandleReplay):
     copy-engine side work before it when the rows cross on the copy engines."""
 
     __slots__ = ("copier", "copies", "rank_prefix_matrix", "num_tokens", "reducers", "pieces", "regions", "launch",
-                 "args")
+                 "args", "ids_placeholder")
 
     def __init__(self, state: NormalState, copier: CombineCopier | None, x: torch.Tensor,
                  topk_weights: torch.Tensor | None, handle: DispatchHandle, launch: Any, num_tokens: int,
@@ -156,6 +157,8 @@ class CombineReplay(_HandleReplay):
         self.rank_prefix_matrix = handle.rank_prefix_matrix
         self.num_tokens, self.reducers, self.pieces, self.regions = num_tokens, reducers, pieces, regions
         self.launch, self.args = launch, list(launch.args)
+        # No expert ids (V1's weights, or none): their place holds x's address, rewritten per call.
+        self.ids_placeholder = self.args[_C_TOPK_IDX] == x.data_ptr()
 
     @staticmethod
     def learn(state: NormalState, copier: CombineCopier | None, x: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -195,6 +198,8 @@ class CombineReplay(_HandleReplay):
         args = self.args
         args[_C_X], args[_C_X_WORDS], args[_C_BIAS0], args[_C_BIAS1], args[_C_WEIGHTS] = \
             x_address, x_address, x_address, x_address, weights_address
+        if self.ids_placeholder:
+            args[_C_TOPK_IDX] = x_address
         args[_C_OUT] = out.data_ptr()
         args[_C_OUT_WEIGHTS] = args[_C_OUT] if out_weights is None else out_weights.data_ptr()
         args[_C_EPOCH], args[_C_RELEASED] = epoch, released
