@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonep.core import routing
 from tritonep.core.handles import DispatchHandle
 
 
@@ -169,7 +170,7 @@ def destination_rows(topk_idx: torch.Tensor, engine_handle: DispatchHandle, rank
     in_rank = engine_handle.is_token_in_rank
     prefix = engine_handle.rank_prefix_matrix.to(torch.int64)
     before = prefix[rank - 1] if rank > 0 else torch.zeros_like(prefix[0])
-    position = torch.cumsum(in_rank.to(torch.int64), 0) - 1   # [N, R]: the token's place among those sent to r
+    position = routing.column_positions(in_rank).to(torch.int64)   # [N, R]: the token's place among those sent to r
     valid = topk_idx >= 0
     dest = torch.where(valid, topk_idx // experts_per_rank, 0)
     rows = before.index_select(0, dest.reshape(-1)).view(dest.shape) + position.gather(1, dest)

@@ -68,6 +68,15 @@ def rank_prefix_matrix(count_matrix: torch.Tensor) -> torch.Tensor:
     return count_matrix.cumsum(0, dtype=torch.int32)
 
 
+def column_positions(mask: torch.Tensor) -> torch.Tensor:
+    """int32, ``mask``'s shape [N, C]: each True entry's index among the Trues of its column (the
+    token's row among those sent to that rank or node), -1 elsewhere. The scan runs along the
+    inner dimension of the transposed mask: on GPUs torch's scan along dim 0 of a narrow matrix
+    walks each column with one thread block, many times slower."""
+    running = mask.t().to(torch.int32).cumsum(1, dtype=torch.int32).t()
+    return torch.where(mask, running - 1, -1)
+
+
 def count_rows_from_prefix(prefix: list[int], num_ranks: int) -> list[list[int]]:
     """Inverse of :func:`rank_prefix_matrix`, on a flat host list (row-major, R x R):
     ``[s][d]`` = rows rank s sends to rank d."""

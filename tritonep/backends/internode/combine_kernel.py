@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from tritonep.backends.internode.transport import put_signal, signal_add, wait_signal
-from tritonep.device.rows import block_start, channel_range
+from tritonep.device.rows import channel_range
 from tritonep.device.signals import add_release, fence_system, last_program_done, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_NET_COMBINE_DATA, PHASE_NET_COMBINE_SLOT, PHASE_NODE_COMBINE_DATA
 from tritonep.runtime import kernel_names
@@ -68,8 +68,8 @@ def node_reduce_kernel(
     status_ptr, timeout_ns,
     STAGED: tl.constexpr, STAGING_FREE: tl.constexpr, TAIL: tl.constexpr, FREE: tl.constexpr, DONE: tl.constexpr,
     RANKS_PER_NODE: tl.constexpr, NUM_NODES: tl.constexpr, NUM_RANKS: tl.constexpr, CHANNELS: tl.constexpr,
-    WEIGHTS_PAD: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    GPU: tl.constexpr, TRANSPORT: tl.constexpr,
+    WEIGHTS_PAD: tl.constexpr, HAS_WEIGHTS: tl.constexpr, NODE_PAD: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr,
 ):
     my_node = rank // RANKS_PER_NODE
     my_local = rank % RANKS_PER_NODE
@@ -78,6 +78,13 @@ def node_reduce_kernel(
                       status_ptr,
                       timeout_ns, PHASE_NODE_COMBINE_DATA, my_node * RANKS_PER_NODE + peer, GPU)
     row_width = hidden + WEIGHTS_PAD      # float32 words of a partial row
+    # The node's ranks are the lanes of [ROWS, NODE_PAD] tiles: where each row's copy sits in
+    # each lane's staging is worked out once per tile of rows, not once per column block, so
+    # the column loop waits on data loads only, and the lanes' loads are independent.
+    lanes = tl.arange(0, NODE_PAD)
+    lane_mask = lanes < RANKS_PER_NODE
+    node_ranks = my_node * RANKS_PER_NODE + lanes
+    peer_bases = tl.load(node_peer_ptrs + node_ranks, mask=lane_mask, other=0)
     for item in range(tl.program_id(0), NUM_NODES * CHANNELS, tl.num_programs(0)):
         source_node = item // CHANNELS
         chunk = item % CHANNELS
@@ -85,31 +92,41 @@ def node_reduce_kernel(
         lo, hi = channel_range(tl.load(landing_rows_ptr + my_local * NUM_NODES + source_node), chunk, CHANNELS)
         wait_signal(heap_base, FREE + source_node * 8, released_target, status_ptr, timeout_ns,
                     PHASE_NET_COMBINE_SLOT, source, GPU)
+        # First row of the source's block in each node rank's staging (rank_prefix_matrix).
+        starts = tl.load(prefix_ptr + (source - 1) * NUM_RANKS + node_ranks, mask=lane_mask & (source > 0), other=0)
         sums = (heap_base + partial_send).to(tl.pointer_type(tl.float32)) + source_node.to(tl.int64) * cap * row_width
         for row0 in range(lo, hi, ROWS):
             rows = row0 + tl.arange(0, ROWS)
             mask = rows < hi
-            for c0 in range(0, row_width, BLOCK):
+            pair_mask = mask[:, None] & lane_mask[None, :]
+            pos = tl.load(kept_pos_ptr + (source_node * kept_rows + rows).to(tl.int64)[:, None] * RANKS_PER_NODE
+                          + lanes[None, :], mask=pair_mask, other=-1)
+            present = pair_mask & (pos >= 0)
+            staged = (starts[None, :] + pos).to(tl.int64)          # row in each lane's staging
+            x_rows = peer_bases[None, :] + staging_x + staged * (2 * hidden)     # byte addresses
+            out_rows = sums + rows.to(tl.int64)[:, None] * row_width
+            for c0 in range(0, hidden, BLOCK):
                 cols = c0 + tl.arange(0, BLOCK)
+                col_mask = (cols < hidden)[None, :]
                 acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-                for peer in range(0, RANKS_PER_NODE):
-                    pos = tl.load(kept_pos_ptr + (source_node * kept_rows + rows).to(tl.int64) * RANKS_PER_NODE
-                                  + peer, mask=mask, other=-1)
-                    row = (block_start(prefix_ptr, source, my_node * RANKS_PER_NODE + peer, NUM_RANKS) + pos)
-                    peer_base = tl.load(node_peer_ptrs + my_node * RANKS_PER_NODE + peer)
-                    take = (mask & (pos >= 0))[:, None]
-                    x_rows = (peer_base + staging_x).to(tl.pointer_type(tl.bfloat16)) \
-                        + row.to(tl.int64)[:, None] * hidden
-                    acc += tl.load(x_rows + cols[None, :], mask=take & (cols < hidden)[None, :], other=0.0,
+                for lane in tl.static_range(RANKS_PER_NODE):
+                    pick = lanes[None, :] == lane
+                    here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
+                    row_x = tl.sum(tl.where(pick, x_rows, 0), axis=1).to(tl.pointer_type(tl.bfloat16))
+                    acc += tl.load(row_x[:, None] + cols[None, :], mask=here[:, None] & col_mask, other=0.0,
                                    cache_modifier=".cg").to(tl.float32)
-                    if HAS_WEIGHTS:
-                        w_rows = (peer_base + staging_weights).to(tl.pointer_type(tl.float32)) \
-                            + row.to(tl.int64)[:, None] * WEIGHTS_PAD
-                        acc += tl.load(w_rows + (cols - hidden)[None, :],
-                                       mask=take & ((cols >= hidden) & (cols < row_width))[None, :], other=0.0,
-                                       cache_modifier=".cg")
-                tl.store(sums + rows.to(tl.int64)[:, None] * row_width + cols[None, :], acc,
-                         mask=mask[:, None] & (cols < row_width)[None, :])
+                tl.store(out_rows + cols[None, :], acc, mask=mask[:, None] & col_mask)
+            if HAS_WEIGHTS:
+                slots = tl.arange(0, WEIGHTS_PAD)
+                w_rows = peer_bases[None, :] + staging_weights + staged * (4 * WEIGHTS_PAD)
+                acc_w = tl.zeros([ROWS, WEIGHTS_PAD], dtype=tl.float32)
+                for lane in tl.static_range(RANKS_PER_NODE):
+                    pick = lanes[None, :] == lane
+                    here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
+                    row_w = tl.sum(tl.where(pick, w_rows, 0), axis=1).to(tl.pointer_type(tl.float32))
+                    acc_w += tl.load(row_w[:, None] + slots[None, :], mask=here[:, None], other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_rows + hidden + slots[None, :], acc_w, mask=mask[:, None])
         put_signal(transport_table, heap_base, partial_landing + ((my_node * cap + lo) * row_width).to(tl.int64) * 4,
                    partial_send + ((source_node * cap + lo) * row_width).to(tl.int64) * 4, (hi - lo) * row_width * 4,
                    TAIL + (my_node * CHANNELS + chunk) * 8, epoch.to(tl.int64) << 32, source, TRANSPORT, 1024, GPU)
@@ -127,8 +144,8 @@ def final_reduce_kernel(
     bias0_ptr, bias1_ptr, out_ptr, out_weights_ptr, epoch, status_ptr, timeout_ns,
     TAIL: tl.constexpr, FREE: tl.constexpr, DONE: tl.constexpr, RANKS_PER_NODE: tl.constexpr,
     NUM_NODES: tl.constexpr, CHANNELS: tl.constexpr, NUM_TOPK: tl.constexpr, WEIGHTS_PAD: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, TOKENS: tl.constexpr,
-    BLOCK: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr, NODES_PAD: tl.constexpr,
+    TOKENS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr,
 ):
     my_node = rank // RANKS_PER_NODE
     my_local = rank % RANKS_PER_NODE
@@ -138,9 +155,17 @@ def final_reduce_kernel(
                     (chunk // CHANNELS) * RANKS_PER_NODE + my_local, GPU)
     row_width = hidden + WEIGHTS_PAD
     sums = (heap_base + partial_landing).to(tl.pointer_type(tl.float32))
+    # Nodes are the lanes of [TOKENS, NODES_PAD] tiles, as in node_reduce_kernel: each token's
+    # row in each node's sums is read once per tile of tokens.
+    lanes = tl.arange(0, NODES_PAD)
+    lane_mask = lanes < NUM_NODES
     for t0 in range(tl.program_id(0) * TOKENS, num_tokens, tl.num_programs(0) * TOKENS):
         tokens = (t0 + tl.arange(0, TOKENS)).to(tl.int64)
         token_mask = tokens < num_tokens
+        pair_mask = token_mask[:, None] & lane_mask[None, :]
+        i = tl.load(node_pos_ptr + tokens[:, None] * NUM_NODES + lanes[None, :], mask=pair_mask, other=-1)
+        present = pair_mask & (i >= 0)
+        sum_rows = (lanes[None, :] * cap + i).to(tl.int64) * row_width      # [TOKENS, NODES_PAD] offsets
         for c0 in range(0, hidden, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = token_mask[:, None] & (cols < hidden)[None, :]
@@ -150,21 +175,23 @@ def final_reduce_kernel(
                 acc += tl.load(bias0_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS1:
                 acc += tl.load(bias1_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            for node in range(0, NUM_NODES):
-                i = tl.load(node_pos_ptr + tokens * NUM_NODES + node, mask=token_mask, other=-1)
-                take = (token_mask & (i >= 0))[:, None] & (cols < hidden)[None, :]
-                acc += tl.load(sums + (node * cap + i).to(tl.int64)[:, None] * row_width + cols[None, :], mask=take,
-                               other=0.0, cache_modifier=".cg")
+            for node in tl.static_range(NUM_NODES):
+                pick = lanes[None, :] == node
+                here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
+                row = tl.sum(tl.where(pick, sum_rows, 0), axis=1)
+                acc += tl.load(sums + row[:, None] + cols[None, :], mask=here[:, None] & mask, other=0.0,
+                               cache_modifier=".cg")
             tl.store(out_ptr + offsets, acc.to(tl.bfloat16), mask=mask)
         if HAS_WEIGHTS:
             slots = tl.arange(0, WEIGHTS_PAD)
             mask = token_mask[:, None] & (slots < NUM_TOPK)[None, :]
             acc_w = tl.zeros([TOKENS, WEIGHTS_PAD], dtype=tl.float32)
-            for node in range(0, NUM_NODES):
-                i = tl.load(node_pos_ptr + tokens * NUM_NODES + node, mask=token_mask, other=-1)
-                take = (token_mask & (i >= 0))[:, None] & (slots < NUM_TOPK)[None, :]
-                acc_w += tl.load(sums + (node * cap + i).to(tl.int64)[:, None] * row_width + hidden + slots[None, :],
-                                 mask=take, other=0.0, cache_modifier=".cg")
+            for node in tl.static_range(NUM_NODES):
+                pick = lanes[None, :] == node
+                here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
+                row = tl.sum(tl.where(pick, sum_rows, 0), axis=1)
+                acc_w += tl.load(sums + row[:, None] + hidden + slots[None, :], mask=here[:, None] & mask,
+                                 other=0.0, cache_modifier=".cg")
             tl.store(out_weights_ptr + tokens[:, None] * NUM_TOPK + slots[None, :], acc_w, mask=mask)
     if last_program_done((heap_base + DONE).to(tl.pointer_type(tl.int64))):
         for node in range(0, NUM_NODES):

@@ -179,10 +179,10 @@ class InternodeNormal:
         num_tokens, R, G, nodes = in_rank.shape[0], self.num_ranks, self.per_node, self.num_nodes
         my_node = self.rank // G
         in_node = in_rank.view(num_tokens, nodes, G).any(dim=2)
-        node_pos = torch.where(in_node, in_node.cumsum(0, dtype=torch.int32) - 1, -1).to(torch.int32)
+        node_pos = routing.column_positions(in_node)
         destination, tokens = in_node.t().nonzero(as_tuple=True)      # by node, then token
         rows = node_pos[tokens, destination].to(torch.int64)
-        rank_pos = torch.where(in_rank, in_rank.cumsum(0, dtype=torch.int32) - 1, -1).to(torch.int32)
+        rank_pos = routing.column_positions(in_rank)
         positions = rank_pos.view(num_tokens, nodes, G)[tokens, destination]
         per_node = table[:, R:R + nodes]
         landing_rows = per_node[[n * G + local for local in range(G) for n in range(nodes)], my_node].view(G, nodes)
@@ -283,15 +283,17 @@ class InternodeNormal:
             heap.node_peer_ptrs, heap.base, self.rank, staging_x, staging_weights, epoch, released,
             self.status.tensor, self.timeout_ns,
             STAGED=layout.staged, STAGING_FREE=layout.staging_free, DONE=layout.done_counters + 8,
-            NUM_TOPK=max(k, 1), WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=256, **common)
+            NUM_TOPK=max(k, 1), WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=1024, **common,
+            num_warps=RECEIVE_WARPS)
         launch(combine_kernel.node_reduce_kernel, min(programs, nodes * CHANNELS),
                (heap.node_peer_ptrs, *self._args(), handle.rank_prefix_matrix, plan.landing_rows, plan.kept_pos,
                 plan.kept_pos.shape[1], hidden, staging_x, staging_weights, partial_send, partial_landing, cap, epoch,
                 released, self.status.tensor, self.timeout_ns),
                dict(STAGED=layout.staged, STAGING_FREE=layout.staging_free, TAIL=layout.partial_tail,
                     FREE=layout.partial_free, DONE=layout.done_counters + 16, NUM_NODES=nodes, NUM_RANKS=R,
-                    CHANNELS=CHANNELS, WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None, ROWS=ROWS, BLOCK=NODE_BLOCK,
-                    **common), heap.transport, num_warps=PUT_WARPS)
+                    CHANNELS=CHANNELS, WEIGHTS_PAD=pad, HAS_WEIGHTS=weights is not None,
+                    NODE_PAD=triton.next_power_of_2(G), ROWS=ROWS, BLOCK=NODE_BLOCK, **common), heap.transport,
+               num_warps=PUT_WARPS)
         launch(combine_kernel.final_reduce_kernel, programs,
                (*self._args(), plan.node_pos, num_tokens, hidden, partial_landing, cap,
                 bias[0] if bias[0] is not None else out, bias[1] if bias[1] is not None else out, out,
@@ -299,5 +301,6 @@ class InternodeNormal:
                dict(TAIL=layout.partial_tail, FREE=layout.partial_free, DONE=layout.done_counters + 24,
                     NUM_NODES=nodes, CHANNELS=CHANNELS, NUM_TOPK=max(k, 1), WEIGHTS_PAD=pad,
                     HAS_WEIGHTS=weights is not None, HAS_BIAS0=bias[0] is not None, HAS_BIAS1=bias[1] is not None,
-                    TOKENS=4, BLOCK=128, **common), heap.transport)
+                    NODES_PAD=triton.next_power_of_2(nodes), TOKENS=4, BLOCK=NODE_BLOCK, **common), heap.transport,
+               num_warps=RECEIVE_WARPS)
         return CombineResult(out, out_weights)
