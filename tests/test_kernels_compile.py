@@ -33,7 +33,8 @@ POINTER_TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32
 I32, I64, F32, BF16, BOOL, I8 = torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool, torch.int8
 
 
-def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4):
+def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4, extern_libs: tuple = ()):
+    """``extern_libs``: (name, path) of bitcode libraries to link (NVSHMEM's device library)."""
     if "GPU" in kernel.arg_names:
         constexprs = {**constexprs, "GPU": True}
     signature = {}
@@ -45,7 +46,8 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4)
         else:
             signature[name] = "i64" if abs(args[name]) >= 2**31 else "i32"
     source = ASTSource(kernel, signature, constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"extern_libs": extern_libs} if extern_libs else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     # The kernel's entry is its C++ name (runtime/kernel_names.py), which ptxas has taken.
     entry = mangled(kernel.profiler_name)
     assert compiled.metadata.name == entry and f".entry {entry}(" in compiled.asm["ptx"], compiled.metadata.name
