@@ -42,7 +42,7 @@ def check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
         if kind == "nvlink" and num_nodes == 1:
             raise InputError("allow_nvlink_for_low_latency_mode=False: the NVLink backend moves low-latency traffic "
                              "over NVLink only and has no other path; leave it True")
-        if group_backend == "nccl":
+        if kind == "collective" and group_backend == "nccl":
             raise InputError("allow_nvlink_for_low_latency_mode=False: the collective backend on an NCCL group lets "
                              "NCCL choose its transport, which is NVLink inside a node; leave it True")
     if use_fabric and kind == "nvlink":
