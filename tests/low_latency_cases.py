@@ -27,6 +27,9 @@ import tritonep as deep_ep
 from tritonep.core import fp8
 
 _state: dict = {}
+# More Buffer options for the Buffers ``buffers`` makes (a caller's choice for this process's
+# next Buffers, e.g. allow_nvlink_for_low_latency_mode).
+buffer_options: dict = {}
 
 
 @dataclass
@@ -66,7 +69,7 @@ def buffers(group: dist.ProcessGroup, rdma_bytes: int, shrink: bool = False) -> 
     if _state.get(f"{key} rdma_bytes", 0) < rdma_bytes:
         options = dict(num_rdma_bytes=rdma_bytes, low_latency_mode=True, enable_shrink=shrink)
         _state.pop(f"{key} nvlink", None)   # the old Buffer's memory goes before the new one is made
-        _state[f"{key} nvlink"] = make_buffer(group, "nvlink", **options)
+        _state[f"{key} nvlink"] = make_buffer(group, "nvlink", **options, **buffer_options)
         _state[f"{key} rdma_bytes"] = rdma_bytes
         _state[f"{key} cpu"] = make_buffer(oracle_group(group), "collective", **options)
     return _state[f"{key} nvlink"], _state[f"{key} cpu"]

@@ -409,6 +409,15 @@ def test_collective_backend_on_nccl_refuses_no_nvlink_in_low_latency_mode() -> N
     backend_choice.check_backend_options("collective", "gloo", True, False, True)    # gloo: no NVLink at all
 
 
+def test_nvlink_backend_refuses_no_nvlink_on_one_node_only() -> None:
+    """A group that spans nodes gets the internode backend, which honours
+    allow_nvlink_for_low_latency_mode=False on NVSHMEM (and refuses it on plain stores itself:
+    test_internode_low_latency.py)."""
+    with pytest.raises(deep_ep.InputError, match="no other path"):
+        backend_choice.check_backend_options("nvlink", "nccl", True, False, False, num_nodes=1)
+    backend_choice.check_backend_options("nvlink", "nccl", True, False, False, num_nodes=2)
+
+
 def padding_check_after_overwrite(group) -> list[bool]:
     """A num_worst_tokens dispatch leaves its padding check to the next call. If the mailbox
     meanwhile holds a later exchange (a CUDA graph's replay of a captured dispatch writes one),

@@ -1,16 +1,20 @@
 """Low latency across nodes == the CPU backend, on groups split into simulated nodes.
 
 The internode Buffer in low-latency mode runs the NVLink backend's low-latency engine and
-kernels over its heap, every row stored straight into the expert's rank through the
-plain-stores transport. The cases of ``low_latency_cases`` (fresh calls, hooks, zero-copy,
-``out``, several calls, masks, two micro-batches, CUDA-graph capture, a stalled peer) run with
+kernels over its heap, every row sent straight to the expert's rank: by a store to a rank of its
+node, by an NVSHMEM put to a rank of another (every rank by a store on the plain-stores
+transport). The cases of ``low_latency_cases`` (fresh calls, hooks, zero-copy, ``out``, several
+calls, masks, two micro-batches, CUDA-graph capture, a stalled peer) run with
 ``TRITONEP_GPUS_PER_NODE`` set in the ranks, so their Buffers are the internode backend's and
 the CPU backend's on the same split:
 
-* ``interpreter``: 4 CPU ranks as 2 nodes of 2, under Triton's interpreter;
-* ``gpu``: the machine's ranks split into nodes of half of them (``TRITONEP_GPU_RANKS=4`` on one
-  GPU: ranks share it, plain stores through CUDA IPC; with one GPU per rank, plain stores
-  through torch symmetric memory, ``TRITONEP_TRANSPORT=stores``).
+* ``interpreter``: 4 CPU ranks as 2 nodes of 2, under Triton's interpreter (plain stores);
+* ``gpu``, plain stores: the machine's ranks split into nodes of half of them
+  (``TRITONEP_GPU_RANKS=4`` on one GPU: ranks share it, CUDA IPC; with one GPU per rank, torch
+  symmetric memory, ``TRITONEP_TRANSPORT=stores``);
+* ``gpu``, the default transport (``transport_pool``): NVSHMEM with one GPU per rank, at every
+  split of the machine's ranks, and with ``allow_nvlink_for_low_latency_mode=False`` (every peer
+  by NVSHMEM); plain stores where ranks share GPUs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from low_latency_cases import SCHEDULES, LowLatencyCase, symmetric_masks
 
 from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
 from tritonep.rank_pool import RankPool
+
+# Transport pool: the low_latency_cases Buffers of each (split, allow_nvlink) setting, kept for the
+# module (NVSHMEM's heaps are not given back one by one).
+_kept_buffers: dict = {}
 
 
 def on_nodes(group, ranks_per_node: int, function_name: str, *args) -> tuple[object, list[str]]:
@@ -67,6 +75,27 @@ INTERPRETER_CASES = [
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=lambda c: f"seed{c.seed}")
 def test_interpreter_two_nodes_of_two(interpreter_pools, case: LowLatencyCase) -> None:
     _check(interpreter_pools(4), case)
+
+
+def refused_without_nvlink(group) -> str:
+    from nvlink_cases import make_buffer
+
+    import tritonep as deep_ep
+
+    try:
+        make_buffer(group, "nvlink", {GPUS_PER_NODE_VARIABLE: "2"}, num_rdma_bytes=1 << 22, low_latency_mode=True,
+                    allow_nvlink_for_low_latency_mode=False)
+    except deep_ep.InputError as error:
+        return str(error)
+    return ""
+
+
+def test_interpreter_no_nvlink_refused_on_plain_stores(interpreter_pools) -> None:
+    """allow_nvlink_for_low_latency_mode=False across nodes needs NVSHMEM: plain stores (here,
+    under the interpreter) reach every peer over NVLink, so every rank refuses, before any
+    communication."""
+    for message in interpreter_pools(4).run(refused_without_nvlink):
+        assert "allow_nvlink_for_low_latency_mode=False: the plain-stores transport" in message, message
 
 
 def test_interpreter_two_micro_batches(interpreter_pools) -> None:
@@ -145,3 +174,161 @@ def test_gpu_stalled_peer_names_rank_and_phase(gpu_pool) -> None:
     messages = _run(gpu_pool, _split(gpu_pool), "stalled_peer_error")
     assert "rank 0 (node 0)" in messages[0] and "waiting for rank" in messages[0], messages[0]
     assert all(m == "" for m in messages[1:]), messages
+
+
+# ---------------------------------------------------------------------- GPUs, default transport
+def on_transport(group, ranks_per_node: int, allow_nvlink: bool, function_name: str, *args) -> tuple[object, list]:
+    """On every rank: ``low_latency_cases.<function_name>(group, *args)`` on the transport the
+    internode backend picks by default (NVSHMEM with one GPU per rank), the group split into nodes
+    of ``ranks_per_node``; returns its result and the transports of the Buffers it used."""
+    os.environ[GPUS_PER_NODE_VARIABLE] = str(ranks_per_node)
+    os.environ.pop("TRITONEP_TRANSPORT", None)
+    cases._state = _kept_buffers.setdefault((ranks_per_node, allow_nvlink), {})
+    cases.buffer_options = {"allow_nvlink_for_low_latency_mode": allow_nvlink}
+    result = getattr(cases, function_name)(group, *args)
+    transports = sorted({buffer.backend.heap.name for key, buffer in cases._state.items() if key.endswith(" nvlink")})
+    return result, transports
+
+
+def _gpu_splits(num_ranks: int) -> list[int]:
+    """Ranks per node: every split of the ranks into two or more nodes."""
+    return [g for g in range(1, num_ranks) if num_ranks % g == 0 and num_ranks // g >= 2]
+
+
+def _on_transport(pool: RankPool, ranks_per_node: int, allow_nvlink: bool, function_name: str, *args) -> list:
+    import torch
+
+    expected = ["stores"] if pool.num_ranks > torch.cuda.device_count() else ["nvshmem"]
+    outcomes = pool.run(on_transport, ranks_per_node, allow_nvlink, function_name, *args)
+    for _, transports in outcomes:
+        assert transports == expected, (transports, expected)
+    return [result for result, _ in outcomes]
+
+
+def _transport_settings(pool: RankPool) -> list[tuple[int, bool]]:
+    """Every split with NVLink inside nodes; the last one also with every peer over NVSHMEM (plain
+    stores, where ranks share GPUs, have no such mode)."""
+    import torch
+
+    splits = _gpu_splits(pool.num_ranks)
+    nvshmem = pool.num_ranks <= torch.cuda.device_count()
+    return [(g, True) for g in splits] + ([(splits[-1], False)] if nvshmem else [])
+
+
+def _transport_cases(R: int) -> list[LowLatencyCase]:
+    none = ((),) * R
+    return [
+        LowLatencyCase(seed=41, tokens=(120,) * R, T=128, hidden=7168, num_experts=8 * R, num_topk=8),
+        LowLatencyCase(seed=42, tokens=(128,) * R, T=128, hidden=7168, num_experts=8 * R, num_topk=8,
+                       use_fp8=False, hook=True, zero_copy=True, use_out=True, calls=2),
+        LowLatencyCase(seed=43, tokens=tuple(16 * (r % 3) for r in range(R)), T=16, hidden=2048,
+                       num_experts=4 * R, num_topk=4, round_scale=True, use_ue8m0=True, routing="skewed", calls=3),
+        LowLatencyCase(seed=44, tokens=(100,) * R, T=128, hidden=7168, num_experts=8 * R, num_topk=8, hook=True,
+                       calls=3, masks=(none, symmetric_masks(R, (R - 1,)), none),
+                       combine_masks=(None, None, symmetric_masks(R, (0,)))),
+    ]
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_gpu_transport_matches_cpu_backend(transport_pool) -> None:
+    """The decode shape (fp8 and bf16, hooks, zero-copy with ``out``, UE8M0, skewed routing,
+    ranks without tokens, masks changed between a dispatch and its combine) on NVSHMEM at every
+    split of the machine's ranks, and with every peer over NVSHMEM."""
+    R = transport_pool.num_ranks
+    for ranks_per_node, allow_nvlink in _transport_settings(transport_pool):
+        for case in _transport_cases(R):
+            problems = _on_transport(transport_pool, ranks_per_node, allow_nvlink, "compare_low_latency", case)
+            assert all(not p for p in problems), f"{case} at {ranks_per_node} per node, nvlink {allow_nvlink}: " \
+                                                 f"{problems}"
+
+
+@pytest.mark.gpu(min_gpus=2)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_gpu_transport_two_micro_batches(transport_pool, schedule: str) -> None:
+    R = transport_pool.num_ranks
+    case = LowLatencyCase(seed=45, tokens=(128,) * R, T=128, hidden=7168, num_experts=8 * R, num_topk=8)
+    for ranks_per_node, allow_nvlink in _transport_settings(transport_pool):
+        problems = _on_transport(transport_pool, ranks_per_node, allow_nvlink, "two_micro_batches", case, schedule)
+        assert all(not p for p in problems), (ranks_per_node, allow_nvlink, problems)
+
+
+@pytest.mark.gpu(min_gpus=2)
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpu_transport_cuda_graph_replay(transport_pool, masked: bool) -> None:
+    ranks_per_node, allow_nvlink = _transport_settings(transport_pool)[-1]
+    problems = _on_transport(transport_pool, ranks_per_node, allow_nvlink, "graph_replay", 46, 3, masked)
+    assert all(not p for p in problems), problems
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_gpu_transport_race_loop(transport_pool) -> None:
+    """20 random cases back to back (sizes, options, hooks) at each transport setting."""
+    import random
+
+    rng = random.Random(8)
+    R = transport_pool.num_ranks
+    for ranks_per_node, allow_nvlink in _transport_settings(transport_pool):
+        for i in range(20):
+            T = rng.choice([1, 16, 128])
+            use_fp8 = rng.random() < 0.6
+            case = LowLatencyCase(
+                seed=700 + i, tokens=tuple(rng.randint(0, T) for _ in range(R)), T=T,
+                hidden=rng.choice([2048, 7168]), num_experts=R * rng.choice([4, 36]), num_topk=rng.choice([1, 8]),
+                use_fp8=use_fp8, round_scale=use_fp8 and rng.random() < 0.5, hook=rng.random() < 0.5,
+                zero_copy=rng.random() < 0.3, routing=rng.choice(["random", "skewed", "one_expert"]), calls=2)
+            problems = _on_transport(transport_pool, ranks_per_node, allow_nvlink, "compare_low_latency", case)
+            assert all(not p for p in problems), f"{case} at {ranks_per_node} per node, nvlink {allow_nvlink}: " \
+                                                 f"{problems}"
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_nvshmem_kernels_compile_for_hopper() -> None:
+    """Every low-latency kernel's NVSHMEM variant compiles for sm_90 with NVSHMEM's device library
+    linked, and calls NVSHMEM (a module that calls none must not be initialised: findings)."""
+    from test_kernels_compile import BF16, F32, I8, I32, I64, LOW_LATENCY_MODES, compile_for_hopper
+
+    from tritonep.backends.internode.memory import require_nvshmem
+    from tritonep.backends.nvlink.low_latency.clean_kernel import low_latency_clean_kernel
+    from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_combine_kernel
+    from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel
+    from tritonep.core.checks import InputError
+    from tritonep.device.nvshmem import NVSHMEM
+
+    try:
+        require_nvshmem()
+    except InputError as error:
+        pytest.skip(str(error))
+    from torch.distributed._symmetric_memory._nvshmem_triton import NvshmemLibFinder
+
+    libraries = (("libnvshmem_device", NvshmemLibFinder.find_device_library()),)
+    common = dict(mask_ptr=I32, peer_base_ptrs=I64, area=0, my_area=1 << 36, rank=1, status_address=1 << 40,
+                  timeout_ns=60 * 10**9, num_max_tokens=128, experts_per_rank=32, send_area=(1 << 36) + (1 << 30))
+    compiled = []
+    for do_send, do_recv in LOW_LATENCY_MODES:
+        compiled.append(compile_for_hopper(
+            low_latency_dispatch_kernel,
+            dict(common, x_ptr=BF16, x_row_stride=7168, topk_idx_ptr=I64, num_tokens=128, out_x_ptr=I32,
+                 out_scales_ptr=F32, out_src_info_ptr=I32, out_topk_slot_ptr=I8, out_layout_range_ptr=I64,
+                 out_count_ptr=I32, recv_stats_ptr=I32, wait_stats_ptr=I64, saved_mask_ptr=I32, slot=1,
+                 slot_bytes=1 << 28),
+            dict(NUM_RANKS=4, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=True,
+                 ROUND_SCALE=False, USE_UE8M0=False, HAS_RECV_STATS=False, HAS_WAIT_STATS=False, HAS_MASK=True,
+                 DO_SEND=do_send, DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=4, TOPK_PAD=8, RECV_ROWS=4, BLOCK=2048,
+                 TRANSPORT=NVSHMEM),
+            num_warps=16, extern_libs=libraries))
+        compiled.append(compile_for_hopper(
+            low_latency_combine_kernel,
+            dict(common, x_ptr=I32, expert_stride=512 * 7168, row_stride=7168, src_info_ptr=I32, topk_slot_ptr=I8,
+                 layout_range_ptr=I64, topk_idx_ptr=I64, topk_weights_ptr=F32, num_tokens=128, out_ptr=BF16,
+                 out_row_stride=7168, wait_stats_ptr=I64, dispatch_mask_ptr=I32, combine_mask_ptr=I32, slot=0,
+                 combine_offset=1 << 29, slot_bytes=1 << 25),
+            dict(NUM_RANKS=4, RANKS_PAD=4, HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8, HAS_WAIT_STATS=False,
+                 HAS_MASK=False, DO_SEND=do_send, DO_RECV=do_recv, ROWS=2, BLOCK=2048, REDUCE_BLOCK=2048,
+                 TRANSPORT=NVSHMEM),
+            num_warps=16, extern_libs=libraries))
+    compiled.append(compile_for_hopper(
+        low_latency_clean_kernel,
+        dict(peer_base_ptrs=I64, mask_ptr=I32, area=0, rank=1, status_address=1 << 40, timeout_ns=60 * 10**9),
+        dict(NUM_RANKS=4, RANKS_PAD=4, HAS_MASK=False, BLOCK=1024, TRANSPORT=NVSHMEM), extern_libs=libraries))
+    for kernel in compiled:
+        assert "nvshmem" in kernel.asm["ptx"], kernel.metadata.name

@@ -25,6 +25,7 @@ from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel  # n
 from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.layout_kernel import LAYOUT_WARPS, dispatch_layout_kernel, layout_constants  # noqa: E402
 from tritonep.backends.nvlink.normal.notify_kernel import notify_dispatch_kernel  # noqa: E402
+from tritonep.device.nvshmem import STORES  # noqa: E402
 from tritonep.runtime.kernel_names import mangled  # noqa: E402
 
 POINTER_TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16",
@@ -32,7 +33,8 @@ POINTER_TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32
 I32, I64, F32, BF16, BOOL, I8 = torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool, torch.int8
 
 
-def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4):
+def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4, extern_libs: tuple = ()):
+    """``extern_libs``: (name, path) of bitcode libraries to link (NVSHMEM's device library)."""
     if "GPU" in kernel.arg_names:
         constexprs = {**constexprs, "GPU": True}
     signature = {}
@@ -44,7 +46,8 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4)
         else:
             signature[name] = "i64" if abs(args[name]) >= 2**31 else "i32"
     source = ASTSource(kernel, signature, constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"extern_libs": extern_libs} if extern_libs else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     # The kernel's entry is its C++ name (runtime/kernel_names.py), which ptxas has taken.
     entry = mangled(kernel.profiler_name)
     assert compiled.metadata.name == entry and f".entry {entry}(" in compiled.asm["ptx"], compiled.metadata.name
@@ -177,7 +180,7 @@ def test_low_latency_dispatch_kernel_compiles(do_send: bool, do_recv: bool, use_
         dict(NUM_RANKS=num_ranks, HIDDEN=7168, HIDDEN_PAD=8192, NUM_TOPK=8, PAIRS_PAD=1024, USE_FP8=use_fp8,
              ROUND_SCALE=use_ue8m0, USE_UE8M0=use_ue8m0, HAS_RECV_STATS=True, HAS_WAIT_STATS=True,
              HAS_MASK=has_mask, DO_SEND=do_send, DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=_pow2(num_ranks),
-             TOPK_PAD=8, RECV_ROWS=4, BLOCK=2048),
+             TOPK_PAD=8, RECV_ROWS=4, BLOCK=2048, send_area=None, TRANSPORT=STORES),
         num_warps=16)
     if use_fp8 and do_send:
         assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]
@@ -199,7 +202,7 @@ def test_low_latency_combine_kernel_compiles(do_send: bool, do_recv: bool, has_m
              rank=0, status_address=1 << 40, timeout_ns=60 * 10**9, num_max_tokens=128, experts_per_rank=96),
         dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8,
              HAS_WAIT_STATS=has_wait_stats, HAS_MASK=has_mask, DO_SEND=do_send, DO_RECV=do_recv, ROWS=2, BLOCK=2048,
-             REDUCE_BLOCK=2048),
+             REDUCE_BLOCK=2048, send_area=None, TRANSPORT=STORES),
         num_warps=16)
 
 
@@ -208,7 +211,7 @@ def test_low_latency_clean_kernel_compiles(num_ranks: int, has_mask: bool) -> No
     kernel = compile_for_hopper(
         low_latency_clean_kernel,
         dict(peer_base_ptrs=I64, mask_ptr=I32, area=1 << 16, rank=1, status_address=1 << 40, timeout_ns=60 * 10**9),
-        dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), HAS_MASK=has_mask, BLOCK=1024))
+        dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), HAS_MASK=has_mask, BLOCK=1024, TRANSPORT=STORES))
     assert "st.relaxed.sys.global.b64" in kernel.asm["ptx"] and "fence.acq_rel.sys" in kernel.asm["ptx"]
 
 

@@ -33,14 +33,16 @@ def backend_kind(group_backend: str) -> str:
 
 
 def check_backend_options(kind: str, group_backend: str, low_latency_mode: bool,
-                           allow_nvlink_for_low_latency_mode: bool, use_fabric: bool) -> None:
+                           allow_nvlink_for_low_latency_mode: bool, use_fabric: bool, num_nodes: int = 1) -> None:
     """Raise for DeepEP options that ask for something the chosen backend cannot do (the table
-    in docs/ARCHITECTURE.md); options that mean nothing to it are accepted. Local: no communication."""
+    in docs/ARCHITECTURE.md); options that mean nothing to it are accepted. ``num_nodes``: how
+    many nodes the group spans (more than one: the internode backend, which checks
+    ``allow_nvlink_for_low_latency_mode`` against its transport). Local: no communication."""
     if low_latency_mode and not allow_nvlink_for_low_latency_mode:
-        if kind == "nvlink":
+        if kind == "nvlink" and num_nodes == 1:
             raise InputError("allow_nvlink_for_low_latency_mode=False: the NVLink backend moves low-latency traffic "
                              "over NVLink only and has no other path; leave it True")
-        if group_backend == "nccl":
+        if kind == "collective" and group_backend == "nccl":
             raise InputError("allow_nvlink_for_low_latency_mode=False: the collective backend on an NCCL group lets "
                              "NCCL choose its transport, which is NVLink inside a node; leave it True")
     if use_fabric and kind == "nvlink":
@@ -69,7 +71,7 @@ def check_node_split(kind: str, num_nodes: int, ranks_per_node: int, num_rdma_by
 
 
 def make_backend(kind: str, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
-                 low_latency_mode: bool) -> Backend:
+                 low_latency_mode: bool, allow_nvlink_for_low_latency_mode: bool = True) -> Backend:
     """The backend ``backend_kind`` chose, over ``group``. Collective: every rank calls it."""
     if kind == "collective":
         from tritonep.backends.collective import CollectiveBackend
@@ -78,7 +80,8 @@ def make_backend(kind: str, group: dist.ProcessGroup, buffer_id: int, num_nvl_by
     if topology.num_nodes(group.size()) > 1:
         from tritonep.backends.internode.backend import InternodeBackend
 
-        return InternodeBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+        return InternodeBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+                                allow_nvlink_for_low_latency_mode)
     from tritonep.backends.nvlink import NvlinkBackend
 
     return NvlinkBackend(group, buffer_id, num_nvl_bytes, num_rdma_bytes, low_latency_mode)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tritonep.device import nvshmem
 from tritonep.device.status_codes import MASKED_BIT
 
 # The interpreter has no clock: a wait gives up after timeout_ns / this many spins (each spin
@@ -196,6 +197,26 @@ def store_relaxed(pointer, value, GPU: tl.constexpr):
 
 
 @triton.jit
+def write_peer_word(pointer, peer_table, peer, value, heap_base, NUM_RANKS: tl.constexpr, TRANSPORT: tl.constexpr,
+                    GPU: tl.constexpr):
+    """Block-wide: set a peer's int64 word to ``value``. ``pointer``: the word's address worked
+    out from ``peer``'s entry of the peer table, as a store reaches it. A relaxed store
+    (``store_relaxed``) there; or, with ``NVSHMEM`` where the entry is 0 (a rank NVSHMEM reaches:
+    ``pointer`` is then the word's offset in the heap), a signal of no bytes to the peer's PE,
+    naming the word by its address in this rank's heap (``heap_base``). Ordered after this
+    program's earlier writes only if the caller fenced them: ``fence_system`` for stores,
+    ``nvshmem.quiet`` for puts. Every thread must pass the same ``peer``."""
+    if TRANSPORT == nvshmem.NVSHMEM:
+        if tl.load(peer_table + peer) == 0:
+            nvshmem.put_signal_block(heap_base, heap_base, 0, heap_base + pointer.to(tl.int64), value,
+                                     nvshmem.SIGNAL_SET, nvshmem.peer_pe(peer_table, peer, NUM_RANKS))
+        else:
+            store_relaxed(pointer, value, GPU)
+    else:
+        store_relaxed(pointer, value, GPU)
+
+
+@triton.jit
 def load_rank_mask(mask_ptr, ranks, NUM_RANKS: tl.constexpr, HAS_MASK: tl.constexpr):
     """Shrink mode: for each lane of ``ranks``, whether the int32 [R] mask at ``mask_ptr`` masks
     that rank. All False without a mask (``HAS_MASK`` False, ``mask_ptr`` unused) and on pad lanes."""
@@ -255,13 +276,14 @@ def begin_low_latency_send(control, sequence_sent, freed, sent_use, slot, masked
 
 @triton.jit
 def finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked, sequence_sent, sequence_received,
-                              sent_use, done_send, done_receive, freed, NUM_RANKS: tl.constexpr,
+                              sent_use, done_send, done_receive, freed, heap_base, NUM_RANKS: tl.constexpr,
                               RANKS_PAD: tl.constexpr, MAX_RANKS: tl.constexpr, DO_SEND: tl.constexpr,
-                              DO_RECV: tl.constexpr, GPU: tl.constexpr):
+                              DO_RECV: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr):
     """The last program of a low-latency launch advances the slot's use counters. After a send
     it records the use as the last one written into each rank not in ``masked``; after a
     receive it tells every source not in ``masked`` that this rank's slot may be written by its
-    next use."""
+    next use (``write_peer_word``: a store, or an NVSHMEM signal to a peer of another node; only
+    reads of the slot came before, so there is nothing to fence for it)."""
     if DO_RECV:
         done_word = control + done_receive
     else:
@@ -280,29 +302,38 @@ def finish_low_latency_launch(control, peer_base_ptrs, area, slot, rank, masked,
             for source in range(0, NUM_RANKS):
                 if not rank_masked(masked, ranks, source):
                     peer_control = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64))
-                    store_relaxed(peer_control + freed + slot * MAX_RANKS + rank, received, GPU)
+                    write_peer_word(peer_control + freed + slot * MAX_RANKS + rank, peer_base_ptrs, source, received,
+                                    heap_base, NUM_RANKS, TRANSPORT, GPU)
 
 
 @triton.jit
 def barrier_unmasked(control, peer_base_ptrs, area, rank, masked, mask_ptr, barrier, barrier_sent, status_ptr,
                      timeout_ns, phase, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SHRINK: tl.constexpr,
-                     GPU: tl.constexpr):
+                     GPU: tl.constexpr, TRANSPORT: tl.constexpr):
     """One program: return once every rank not in ``masked`` reached its matching barrier, with
     this program's earlier stores visible to them. Counts are per pair of ranks: this rank's
     n-th barrier with rank p (``barrier_sent + p``) writes n into p's ``barrier + rank`` and
     waits for its own ``barrier + p`` to reach n. Masked ranks are skipped and their counts stay
     put, so a rank that was masked (and idle) for a while is waited for correctly once unmasked.
-    Returns the ranks skipped: ``masked``, and in shrink mode the ranks masked after a time-out."""
+    Returns the ranks skipped: ``masked``, and in shrink mode the ranks masked after a time-out.
+
+    With ``NVSHMEM`` every put and signal this rank issued before (an earlier call's rows, its
+    "slot freed" words) has arrived before its barrier count leaves (``nvshmem.quiet``): a peer
+    that passes the barrier sees no more of them."""
     ranks = tl.arange(0, RANKS_PAD)
     words = tl.minimum(ranks, NUM_RANKS - 1)
     linked = (ranks < NUM_RANKS) & (masked == 0)
     counts = tl.load(control + barrier_sent + words) + 1
     tl.store(control + barrier_sent + words, counts, mask=linked)
     fence_system(GPU)
+    if TRANSPORT == nvshmem.NVSHMEM:
+        nvshmem.quiet()
     for peer in range(0, NUM_RANKS):
         if not rank_masked(masked, ranks, peer):
             peer_control = (tl.load(peer_base_ptrs + peer) + area).to(tl.pointer_type(tl.int64))
-            store_relaxed(peer_control + barrier + rank, tl.sum(tl.where(ranks == peer, counts, 0), axis=0), GPU)
+            write_peer_word(peer_control + barrier + rank, peer_base_ptrs, peer,
+                            tl.sum(tl.where(ranks == peer, counts, 0), axis=0), control.to(tl.int64) - area, NUM_RANKS,
+                            TRANSPORT, GPU)
     values = wait_all_at_least(control + barrier + words, counts, linked, status_ptr, timeout_ns, phase, ranks,
                                mask_ptr, mask_ptr, NUM_RANKS, SHRINK, GPU)
     return masked | gave_up(values, counts)

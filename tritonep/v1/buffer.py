@@ -67,7 +67,9 @@ class Buffer:
         allow_nvlink_for_low_latency_mode: False asks low-latency traffic to avoid NVLink. The
             NVLink backend has no other path, and the collective backend on NCCL lets NCCL pick
             its transport, so both raise InputError for False in low-latency mode; on gloo (no
-            NVLink involved) and outside low-latency mode it changes nothing.
+            NVLink involved) and outside low-latency mode it changes nothing. A group that spans
+            nodes honours it on NVSHMEM (every peer reached by NVSHMEM's puts) and raises on the
+            plain-stores transport.
         allow_mnnvl: allow multi-node NVLink. Both backends work inside one node, so allowing it
             changes nothing.
         use_fabric: allocate the shared buffers with CUDA fabric handles. The NVLink backend's
@@ -116,10 +118,11 @@ class Buffer:
                        else ""))
             group_backend = dist.get_backend(group)
         kind = backend_kind(group_backend)
-        check_backend_options(kind, group_backend, low_latency_mode, allow_nvlink_for_low_latency_mode, use_fabric)
         num_ranks = group.size() if group is not None else int(comm.Get_size())
         self.ranks_per_node = topology.ranks_per_node(num_ranks)
         self.num_nodes = num_ranks // self.ranks_per_node
+        check_backend_options(kind, group_backend, low_latency_mode, allow_nvlink_for_low_latency_mode, use_fabric,
+                              self.num_nodes)
         check_node_split(kind, self.num_nodes, self.ranks_per_node, num_rdma_bytes, low_latency_mode)
         if group is None:
             group = group_from_comm(comm)   # the first communication
@@ -139,7 +142,7 @@ class Buffer:
                                          explicitly_destroy=explicitly_destroy, backend=kind))
         self.buffer_id = next(_buffer_ids)
         self.backend: Backend = make_backend(kind, group, self.buffer_id, num_nvl_bytes, num_rdma_bytes,
-                                             low_latency_mode)
+                                             low_latency_mode, allow_nvlink_for_low_latency_mode)
         self.device = self.backend.device
         self._on_gpu = self.device.type == "cuda"
         # Low-latency calls that repeat, by their options and shapes (see low_latency_dispatch).

@@ -4,10 +4,11 @@ One heap of ``num_rdma_bytes`` per rank (``memory.TransportHeap``). Normal mode:
 nodes through the transport (NVSHMEM, or plain stores where NVSHMEM cannot run) and move inside
 a node over the node's own pointers (``engine.py``). Low-latency mode (a Buffer made with
 ``low_latency_mode=True``) runs the NVLink backend's low-latency engine and kernels over the
-heap: every (token, expert) row goes straight to the expert's rank by a store through the
-plain-stores transport's table, the same kernels, hooks, replays, CUDA-graph capture and shrink
-masks as on one node. The heap then belongs to the low-latency calls, so such a Buffer makes no
-normal-mode calls; the NVSHMEM transport has no low-latency kernels yet (docs/INTERNODE.md).
+heap: every (token, expert) row goes straight to the expert's rank, by a store to a rank of
+this node (with ``allow_nvlink``, DeepEP's allow_nvlink_for_low_latency_mode) and by an NVSHMEM
+put to any other (``device/nvshmem.py``; with plain stores, every rank by a store), with the same
+kernels, hooks, replays, CUDA-graph capture and shrink masks as on one node. The heap then
+belongs to the low-latency calls, so such a Buffer makes no normal-mode calls.
 """
 
 from __future__ import annotations
@@ -35,20 +36,22 @@ _NOT_NORMAL = ("normal-mode calls on the internode backend need a Buffer made wi
 
 class InternodeBackend(LowLatencyBackendCalls, base.Backend):
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_nvl_bytes: int, num_rdma_bytes: int,
-                 low_latency_mode: bool = False) -> None:
+                 low_latency_mode: bool = False, allow_nvlink: bool = True) -> None:
         super().__init__(group, buffer_id)
         self._device = torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
         self.ranks_per_node = topology.ranks_per_node(self.num_ranks)
         transport = choose_transport()
-        if low_latency_mode and transport != STORES.value:   # local, alike on every rank: before any allocation
-            raise InputError(f"low-latency mode across nodes runs on the plain-stores transport only (one host: "
-                             f"simulated nodes); set {TRANSPORT_VARIABLE}=stores. Its NVSHMEM puts are not built yet")
+        if low_latency_mode and not allow_nvlink and transport == STORES.value:   # local, alike on every rank
+            raise InputError(f"allow_nvlink_for_low_latency_mode=False: the plain-stores transport "
+                             f"({TRANSPORT_VARIABLE}=stores, or ranks sharing GPUs) reaches every peer over NVLink; "
+                             f"leave it True, or run on NVSHMEM (one GPU per rank)")
         self.heap = TransportHeap(group, num_rdma_bytes, self.ranks_per_node, self._device, transport)
         self.normal = None if low_latency_mode else InternodeNormal(
             self.heap, self.rank, self.num_ranks, self.ranks_per_node, buffer_id, self._device)
-        self._low_latency = LowLatencyEngine(group, buffer_id, num_rdma_bytes, self._device,
-                                             Tuning.from_environment(), memory=self.heap,
-                                             ranks_per_node=self.ranks_per_node) if low_latency_mode else None
+        self._low_latency = LowLatencyEngine(
+            group, buffer_id, num_rdma_bytes, self._device, Tuning.from_environment(), memory=self.heap,
+            ranks_per_node=self.ranks_per_node, peer_table=self.heap.low_latency_peer_table(allow_nvlink),
+            transport=transport) if low_latency_mode else None
         self._nvl_area = torch.empty(num_nvl_bytes, dtype=torch.uint8, device=self._device)
 
     @property

@@ -8,7 +8,8 @@
 * ``node_peer_ptrs`` (int64 [R]): the heap addresses of the ranks of this rank's own node, as
   mapped here, and 0 for every rank of another node. The in-node (NVLink) stage reads and
   writes through this table only, so no pointer ever crosses a node boundary: traffic between
-  nodes, real or simulated, goes through the transport or faults.
+  nodes, real or simulated, goes through the transport or faults. The low-latency kernels get
+  both in one table (``low_latency_peer_table``).
 
 ``STORES`` reuses the NVLink backend's ``SymmetricBuffer`` (torch symmetric memory, CUDA IPC for
 ranks sharing a GPU, /dev/shm files under the interpreter). ``NVSHMEM`` allocates from torch's
@@ -113,22 +114,25 @@ class TransportHeap:
     def name(self) -> str:
         return TRANSPORT_NAMES[self.transport]
 
-    # What the low-latency kernels take of an allocation (``nvlink/low_latency/area.py``): they
-    # address every rank's heap by a store through its address, which is the plain-stores
-    # transport's put; the heap starts at offset 0.
+    # What the low-latency engine takes of an allocation (``nvlink/low_latency/area.py``): the heap
+    # starts at offset 0, and its kernels reach peers through ``low_latency_peer_table``.
     data_offset = 0
 
     @property
     def data_bytes(self) -> int:
         return self.local.numel()
 
-    @property
-    def peer_base_ptrs(self) -> torch.Tensor:
-        """int64 [R]: each rank's heap as a plain store reaches it (``STORES`` only)."""
-        if self.transport != STORES.value:
-            raise InputError("the low-latency kernels store through heap addresses: they run on the plain-stores "
-                             "transport only")
-        return self.transport_table
+    def low_latency_peer_table(self, nvlink: bool = True) -> torch.Tensor:
+        """The low-latency kernels' ``peer_base_ptrs``. ``STORES``: every rank's heap address,
+        each remote write a store. ``NVSHMEM``: the addresses of the ranks a store reaches (this
+        node's with ``nvlink``, DeepEP's allow_nvlink_for_low_latency_mode; else this rank alone),
+        0 for the others, which NVSHMEM reaches, then every rank's PE."""
+        if self.transport == STORES.value:
+            return self.transport_table
+        rank = self.group.rank()
+        mapped = self.node_peer_ptrs if nvlink else torch.where(
+            torch.arange(self.group.size(), device=self.node_peer_ptrs.device) == rank, self.node_peer_ptrs, 0)
+        return torch.cat([mapped, self.transport_table])
 
     def _allocate_nvshmem(self, group: dist.ProcessGroup, nbytes: int,
                           device: torch.device) -> tuple[list[int], list[int]]:

@@ -36,31 +36,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tritonep.device.nvshmem import (
+    NVSHMEM,
+    SIGNAL_ADD,
+    SIGNAL_SET,
+    STORES,
+    TRANSPORT_NAMES,
+    fence,
+    int64,
+    nvshmem_kernel,
+    put_signal_block,
+)
 from tritonep.device.signals import add_release, fence_system, publish, wait_at_least
 
-NVSHMEM = tl.constexpr(1)
-STORES = tl.constexpr(2)
-TRANSPORT_NAMES = {1: "nvshmem", 2: "stores"}
-
-# NVSHMEM's signal operations (its nvshmemx_signal_op_t: NVSHMEM_SIGNAL_SET 9, NVSHMEM_SIGNAL_ADD
-# 10). torch's docstrings give 0 and 5, which NVSHMEM 3.4 takes as an add.
-_SIGNAL_SET = tl.constexpr(9)
-_SIGNAL_ADD = tl.constexpr(10)
-
-try:   # torch defines the device functions only where it finds Triton and a CUDA build
-    from torch.distributed._symmetric_memory import _nvshmem_triton as _nvshmem
-except ImportError:   # pragma: no cover - torch builds without distributed
-    _nvshmem = None
-# None where torch did not define them: a kernel reaches them only with TRANSPORT == NVSHMEM,
-# which the host allows only after ``memory.require_nvshmem`` found NVSHMEM usable.
-_nvshmem_put_signal = getattr(_nvshmem, "putmem_signal_block", None)
-_nvshmem_fence = getattr(_nvshmem, "fence", None)
-
-
-@triton.jit
-def _int64(value):
-    """``value`` (a scalar tensor or a plain int) as an int64 scalar."""
-    return tl.zeros((), tl.int64) + value
+__all__ = ["NVSHMEM", "STORES", "TRANSPORT_NAMES", "launch", "put_signal", "signal_add", "wait_signal"]
 
 
 @triton.jit
@@ -96,11 +85,11 @@ def put_signal(transport_table, heap_base, dst_offset, src_offset, nbytes, signa
         remote = tl.load(transport_table + peer)
         _copy_words((heap_base + src_offset).to(tl.pointer_type(tl.int32)),
                     (remote + dst_offset).to(tl.pointer_type(tl.int32)), nbytes // 4, BLOCK)
-        publish((remote + signal_offset).to(tl.pointer_type(tl.int64)), _int64(value))
+        publish((remote + signal_offset).to(tl.pointer_type(tl.int64)), int64(value))
     else:   # (with nbytes == 0, the signal alone)
         pe = tl.load(transport_table + peer).to(tl.int32)
-        _nvshmem_put_signal(heap_base + dst_offset, heap_base + src_offset, _int64(nbytes),
-                            heap_base + signal_offset, _int64(value), _SIGNAL_SET, pe)
+        put_signal_block(heap_base + dst_offset, heap_base + src_offset, nbytes, heap_base + signal_offset, value,
+                         SIGNAL_SET, pe)
 
 
 @triton.jit
@@ -110,13 +99,12 @@ def signal_add(transport_table, heap_base, signal_offset, value, peer, TRANSPORT
     adding signal). Block-wide: NVSHMEM's ``signal_op`` is a per-thread call, so every thread of
     the program would add; the block put signals once for the program."""
     if TRANSPORT == STORES:
-        add_release(_remote_word(transport_table, heap_base, signal_offset, peer, TRANSPORT), _int64(value))
+        add_release(_remote_word(transport_table, heap_base, signal_offset, peer, TRANSPORT), int64(value))
     else:
         tl.debug_barrier()
-        _nvshmem_fence()
+        fence()
         pe = tl.load(transport_table + peer).to(tl.int32)
-        _nvshmem_put_signal(heap_base, heap_base, _int64(0), heap_base + signal_offset, _int64(value), _SIGNAL_ADD,
-                            pe)
+        put_signal_block(heap_base, heap_base, 0, heap_base + signal_offset, value, SIGNAL_ADD, pe)
 
 
 @triton.jit
@@ -126,7 +114,7 @@ def wait_signal(heap_base, signal_offset, target, status_ptr, timeout_ns, phase,
     peer)`` in the status word. Both transports write this rank's words from outside (a peer's
     store, NVSHMEM's signal operation), so one bounded acquire poll serves both."""
     word = (heap_base + signal_offset).to(tl.pointer_type(tl.int64))
-    return wait_at_least(word, _int64(target), status_ptr, timeout_ns, phase, _int64(peer), GPU)
+    return wait_at_least(word, int64(target), status_ptr, timeout_ns, phase, int64(peer), GPU)
 
 
 def launch(kernel: triton.runtime.JITFunction, grid: int, args: tuple, constants: dict, transport: int,
@@ -137,15 +125,6 @@ def launch(kernel: triton.runtime.JITFunction, grid: int, args: tuple, constants
     initialisation fails (``nvshmemx_cumodule_init`` error 7) on a module that calls no NVSHMEM
     function, so a kernel that only waits or uses node pointers is launched as any other."""
     if transport == NVSHMEM.value:
-        kernel = _with_nvshmem(kernel)
+        kernel = nvshmem_kernel(kernel)
     kernel[(grid,)](*args, **constants, TRANSPORT=transport, num_warps=num_warps)
 
-
-_NVSHMEM_KERNELS: dict = {}
-
-
-def _with_nvshmem(kernel: triton.runtime.JITFunction):
-    wrapped = _NVSHMEM_KERNELS.get(kernel)
-    if wrapped is None:
-        wrapped = _NVSHMEM_KERNELS[kernel] = _nvshmem.requires_nvshmem(kernel)
-    return wrapped

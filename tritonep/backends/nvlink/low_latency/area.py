@@ -22,23 +22,24 @@ class LowLatencyArea:
     ``my_area``: its device address on this rank (``peer_base_ptrs[rank] + offset``).
 
     ``memory``: a symmetric allocation made by someone else (the internode backend's heap), with
-    ``local``, ``data_offset``, ``data_bytes``, ``peer_base_ptrs`` (the address of every rank's
-    allocation that the kernels' stores go through) and ``release()`` as ``SymmetricBuffer``
-    has them; None allocates a ``SymmetricBuffer`` of ``num_rdma_bytes``."""
+    ``local``, ``data_offset``, ``data_bytes`` and ``release()`` as ``SymmetricBuffer`` has them;
+    None allocates a ``SymmetricBuffer`` of ``num_rdma_bytes``.
+
+    ``peer_table`` (int64, the kernels' ``peer_base_ptrs``): the address of every rank's
+    allocation as mapped here, which the kernels' stores go through (``memory.peer_base_ptrs``
+    when None); for kernels compiled with ``NVSHMEM`` (``device/nvshmem.py``) 0 where a rank is
+    reached by NVSHMEM instead, followed by every rank's PE (2R entries)."""
 
     def __init__(self, group: dist.ProcessGroup, num_rdma_bytes: int, device: torch.device,
-                 memory: SymmetricBuffer | None = None) -> None:
+                 memory: SymmetricBuffer | None = None, peer_table: torch.Tensor | None = None) -> None:
         self.num_ranks = group.size()
         self.memory = memory if memory is not None else \
             SymmetricBuffer(group, num_rdma_bytes, device, interpret=INTERPRET)
+        self.peer_base_ptrs = peer_table if peer_table is not None else self.memory.peer_base_ptrs
         self.offset = self.memory.data_offset
         self.my_area = self.memory.local.data_ptr() + self.offset
         self.memory.local[self.offset: self.offset + CONTROL_BYTES].zero_()
         self._regions: dict[tuple[int, int, int], LowLatencyRegions] = {}
-
-    @property
-    def peer_base_ptrs(self) -> torch.Tensor:
-        return self.memory.peer_base_ptrs
 
     def regions(self, num_max_tokens: int, hidden: int, num_experts: int) -> LowLatencyRegions:
         """The regions of calls of this shape; raises if the allocation cannot hold them."""

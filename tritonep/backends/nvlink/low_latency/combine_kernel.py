@@ -26,11 +26,13 @@ experts p, p+P, ...), adding the nanoseconds to the expert's rank in ``wait_stat
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from tritonep.backends.nvlink.low_latency import regions as layout
 from tritonep.backends.nvlink.low_latency.control_words import COMBINE, MAX_EXPERTS, MAX_RANKS, MAX_TOPK, call_words
-from tritonep.device import signals
+from tritonep.device import nvshmem, signals
+from tritonep.device.nvshmem import NVSHMEM
 from tritonep.device.rows import copy_rows
 from tritonep.device.status_codes import PHASE_LL_COMBINE_DATA, PHASE_LL_COMBINE_SLOT
 from tritonep.runtime import kernel_names
@@ -40,27 +42,68 @@ FREED = tl.constexpr(layout.COMBINE_FREED)
 FLAGS = tl.constexpr(layout.COMBINE_FLAGS)
 
 
+@triton.jit
+def _store_rows(receive_slot, x_words, local_expert, expert_stride, row_stride, src_info_ptr, topk_slot_ptr,
+                expert_rows, begin, count, WORDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows ``[begin, begin + count)`` of one expert's outputs (``x_words``: all experts' as int32
+    words; strides in bf16 elements) into a source's combine slot (``receive_slot``: its address,
+    mapped here), row j at ``[token, k]`` from ``src_info`` and ``topk_slot`` (the expert's rows
+    start at ``expert_rows``)."""
+    slot_words = receive_slot.to(tl.pointer_type(tl.int32))
+    for first in range(0, count, ROWS):
+        rows = begin + first + tl.arange(0, ROWS)
+        row_ok = first + tl.arange(0, ROWS) < count
+        token = tl.load(src_info_ptr + expert_rows + rows, mask=row_ok, other=0)
+        topk_slot = tl.load(topk_slot_ptr + expert_rows + rows, mask=row_ok, other=0).to(tl.int32)
+        copy_rows(x_words + local_expert * (expert_stride // 2).to(tl.int64), rows, row_stride // 2, 1, slot_words,
+                  token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
+
+
+@triton.jit
+def _put_rows(expert_x, row_stride, src_info_ptr, topk_slot_ptr, begin, count, staged, receive_slot, pe,
+              WORDS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, GPU: tl.constexpr):
+    """``_store_rows`` to a source of another node, by NVSHMEM: the rows first go to ``staged``
+    (this expert's rows of a zero-copy buffer, in this rank's heap, where a put's source must
+    lie; nothing to copy when the expert outputs are that buffer: a zero-copy combine), then one
+    put per row to ``receive_slot`` as this rank's heap names it, on ``pe``."""
+    staged_words = staged.to(tl.pointer_type(tl.int32))
+    if expert_x.to(tl.int64) != staged:
+        for first in range(0, count, ROWS):
+            rows = begin + first + tl.arange(0, ROWS)
+            copy_rows(expert_x, rows, row_stride // 2, 1, staged_words, rows, first + tl.arange(0, ROWS) < count,
+                      WORDS, BLOCK, False)
+        signals.fence_system(GPU)   # every thread's rows written, before the puts read them
+    for row in range(begin, begin + count):
+        token = tl.load(src_info_ptr + row)
+        topk_slot = tl.load(topk_slot_ptr + row).to(tl.int32)
+        nvshmem.put_block(receive_slot + (token * MAX_TOPK + topk_slot).to(tl.int64) * (WORDS * 4),
+                          staged + row.to(tl.int64) * (WORDS * 4), WORDS * 4, pe)
+
+
 @kernel_names.jit("tritonep::low_latency::combine",
                   do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area",
                                      "combine_offset", "slot_bytes", "rank", "timeout_ns", "num_max_tokens",
-                                     "experts_per_rank", "status_address"])
+                                     "experts_per_rank", "status_address", "send_area"])
 def low_latency_combine_kernel(
     x_ptr, expert_stride, row_stride, src_info_ptr, topk_slot_ptr, layout_range_ptr,
     topk_idx_ptr, topk_weights_ptr, num_tokens, out_ptr, out_row_stride, wait_stats_ptr,
     mask_ptr, dispatch_mask_ptr, combine_mask_ptr,
     peer_base_ptrs, area, my_area, slot, combine_offset, slot_bytes, rank, status_address, timeout_ns,
-    num_max_tokens, experts_per_rank,
+    num_max_tokens, experts_per_rank, send_area,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, HIDDEN: tl.constexpr, NUM_TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr,
     DO_SEND: tl.constexpr, DO_RECV: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    REDUCE_BLOCK: tl.constexpr, GPU: tl.constexpr,
+    REDUCE_BLOCK: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr,
 ):
     """``x_ptr``: the bf16 expert outputs [E/R, R*T, H] (even strides, in elements; rows move as
     int32 words);
     ``out_ptr``: bf16 [N, H]. ``status_address``: pinned host int64 for timeouts. Masks
     (shrink mode): int32 [R] each, this rank's now, its dispatch's, and this combine's (written
     by the send half). ``my_area``: ``peer_base_ptrs[rank] + area`` (passed: the first steps'
-    addresses depend on it)."""
+    addresses depend on it). ``peer_base_ptrs``: the peer table (``area.py``); ``TRANSPORT``
+    (``device/nvshmem.py``): ``STORES``, every source by stores through it, or ``NVSHMEM``,
+    sources it maps no address for by puts from ``send_area`` (the zero-copy buffer this combine
+    sends from or stages in, DeepEP's choice; None with ``STORES``)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     status_ptr = status_address.to(tl.pointer_type(tl.int64))
@@ -89,24 +132,33 @@ def low_latency_combine_kernel(
             placed = tl.load(layout_range_ptr + local_expert * NUM_RANKS + source)
             begin = (placed >> 32).to(tl.int32)
             count = tl.where(signals.rank_masked(masked, ranks, source), 0, (placed & 0xFFFFFFFF).to(tl.int32))
-            peer_area = tl.load(peer_base_ptrs + source) + area
-            receive_slot = (peer_area + combine_offset + slot * slot_bytes).to(tl.pointer_type(tl.int32))
-            for first in range(0, count, ROWS):
-                rows = begin + first + tl.arange(0, ROWS)
-                row_ok = first + tl.arange(0, ROWS) < count
-                token = tl.load(src_info_ptr + expert_rows + rows, mask=row_ok, other=0)
-                topk_slot = tl.load(topk_slot_ptr + expert_rows + rows, mask=row_ok, other=0).to(tl.int32)
-                copy_rows(x_words + local_expert * (expert_stride // 2).to(tl.int64), rows, row_stride // 2, 1,
-                          receive_slot, token * MAX_TOPK + topk_slot, row_ok, WORDS, BLOCK, False)
-        # One fence for all of this program's rows, then the flags: no round trip per item.
+            peer_base = tl.load(peer_base_ptrs + source)
+            if TRANSPORT == NVSHMEM:
+                if peer_base == 0:
+                    _put_rows(x_words + local_expert * (expert_stride // 2).to(tl.int64), row_stride,
+                              src_info_ptr + expert_rows, topk_slot_ptr + expert_rows, begin, count,
+                              send_area + expert_rows * (WORDS * 4), my_area + combine_offset + slot * slot_bytes,
+                              nvshmem.peer_pe(peer_base_ptrs, source, NUM_RANKS), WORDS, ROWS, BLOCK, GPU)
+                else:
+                    _store_rows(peer_base + area + combine_offset + slot * slot_bytes, x_words, local_expert,
+                                expert_stride, row_stride, src_info_ptr, topk_slot_ptr, expert_rows, begin, count,
+                                WORDS, ROWS, BLOCK)
+            else:
+                _store_rows(peer_base + area + combine_offset + slot * slot_bytes, x_words, local_expert, expert_stride,
+                            row_stride, src_info_ptr, topk_slot_ptr, expert_rows, begin, count, WORDS, ROWS, BLOCK)
+        # One fence for all of this program's rows, then the flags: no round trip per item. With
+        # NVSHMEM the puts must have arrived too (quiet: a fence orders puts to one PE, but this
+        # program's puts may go over other queues than its flags' signals).
         signals.fence_system(GPU)
+        if TRANSPORT == NVSHMEM:
+            nvshmem.quiet()
         for item in range(pid, experts_per_rank * NUM_RANKS, num_programs):
             local_expert = item // NUM_RANKS
             source = (rank + 1 + item % NUM_RANKS) % NUM_RANKS
             if not signals.rank_masked(masked, ranks, source):
                 flag = (tl.load(peer_base_ptrs + source) + area).to(tl.pointer_type(tl.int64)) + FLAGS \
                     + slot * MAX_EXPERTS + rank * experts_per_rank + local_expert
-                signals.store_relaxed(flag, call, GPU)
+                signals.write_peer_word(flag, peer_base_ptrs, source, call, my_area - area, NUM_RANKS, TRANSPORT, GPU)
 
     if DO_RECV:
         call = signals.load_own_counter(control + SEQUENCE_RECEIVED + slot) + 1
@@ -147,4 +199,4 @@ def low_latency_combine_kernel(
 
     signals.finish_low_latency_launch(
         control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED, SENT_USE, DONE_SEND,
-        DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND, DO_RECV, GPU)
+        DONE_RECEIVE, FREED, my_area - area, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND, DO_RECV, GPU, TRANSPORT)

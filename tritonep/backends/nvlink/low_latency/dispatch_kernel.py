@@ -45,8 +45,9 @@ from tritonep.backends.nvlink.low_latency.control_words import (
     MAX_RANKS,
     call_words,
 )
-from tritonep.device import signals
+from tritonep.device import nvshmem, signals
 from tritonep.device.fp8_tiles import cast_row, pack_bytes
+from tritonep.device.nvshmem import NVSHMEM
 from tritonep.device.rows import copy_rows
 from tritonep.device.status_codes import PHASE_LL_DISPATCH_DATA, PHASE_LL_DISPATCH_SLOT
 from tritonep.runtime import kernel_names
@@ -102,35 +103,78 @@ def _read_token(x_ptr, x_row_stride, token, num_tokens, topk_idx_ptr, experts, p
 
 
 @triton.jit
-def _write_token(data, scale_bits, addresses, destinations, token, masked, ranks, NUM_TOPK: tl.constexpr,
-                 TOPK_PAD: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr,
-                 GROUPS_PAD: tl.constexpr, DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr):
+def _store_message(message, data, scale_bits, token, k, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr,
+                   USE_FP8: tl.constexpr, GROUPS_PAD: tl.constexpr, DATA_WORDS: tl.constexpr,
+                   SCALE_WORDS: tl.constexpr):
+    """A token's message at ``message`` (an int32 pointer, 16-byte aligned, so the stores are 16
+    bytes wide): its row, then its header (token, k)."""
+    if USE_FP8:
+        columns = tl.arange(0, GROUPS_PAD)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        groups = tl.arange(0, GROUPS_PAD)
+        tl.store(message.to(tl.pointer_type(tl.uint8)) + columns, data, mask=columns < HIDDEN)
+        tl.store(message + DATA_WORDS + groups, scale_bits, mask=groups < SCALE_WORDS)
+    else:
+        words = tl.arange(0, HIDDEN_PAD // 2)
+        tl.store(message + words, data, mask=words < DATA_WORDS)
+    tl.store(message + DATA_WORDS + SCALE_WORDS, token)
+    tl.store(message + DATA_WORDS + SCALE_WORDS + 1, k)
+
+
+@triton.jit
+def _write_token(data, scale_bits, addresses, destinations, token, masked, ranks, peer_base_ptrs, send_area, heap_base,
+                 NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, HIDDEN: tl.constexpr,
+                 HIDDEN_PAD: tl.constexpr, USE_FP8: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                 DATA_WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr, MESSAGE_WORDS: tl.constexpr,
+                 TRANSPORT: tl.constexpr, GPU: tl.constexpr):
     """Store a token read by ``_read_token`` into the receive slot of each of its top-k experts'
-    ranks, skipping masked ranks: the same row top-k times, then its header (token, k)."""
+    ranks, skipping masked ranks: the same row top-k times, then its header (token, k).
+
+    ``NVSHMEM``: a destination the peer table maps no address for (another node) gets the
+    message by a put instead, from ``staged`` in this rank's heap (``heap_base``), where the
+    message is written once (at ``send_area``, one message per token), its k rewritten before
+    each put. A put returns once its source may
+    be reused; the flags that follow wait for every put to arrive (``_raise_flags``)."""
     ks = tl.arange(0, TOPK_PAD)
     addresses = tl.where(signals.ranks_masked(masked, ranks, destinations), 0, addresses)
+    if TRANSPORT == NVSHMEM:
+        by_put = (tl.load(peer_base_ptrs + destinations) == 0) & (addresses != 0)
+        pes = nvshmem.peer_pe(peer_base_ptrs, destinations, NUM_RANKS)
+        staged = send_area + token.to(tl.int64) * (MESSAGE_WORDS * 4)
+        staged_message = tl.multiple_of(staged.to(tl.pointer_type(tl.int32)), 16)
+        if tl.sum(by_put.to(tl.int32), axis=0) > 0:
+            _store_message(staged_message, data, scale_bits, token, 0, HIDDEN, HIDDEN_PAD, USE_FP8, GROUPS_PAD,
+                           DATA_WORDS, SCALE_WORDS)
     for k in tl.static_range(NUM_TOPK):
         address = tl.sum(tl.where(ks == k, addresses, 0), axis=0)
         if address != 0:
-            # 16-byte aligned, so the stores are 16 bytes wide.
             message = tl.multiple_of(address.to(tl.pointer_type(tl.int32)), 16)
-            if USE_FP8:
-                columns = tl.arange(0, GROUPS_PAD)[:, None] * 128 + tl.arange(0, 128)[None, :]
-                groups = tl.arange(0, GROUPS_PAD)
-                tl.store(message.to(tl.pointer_type(tl.uint8)) + columns, data, mask=columns < HIDDEN)
-                tl.store(message + DATA_WORDS + groups, scale_bits, mask=groups < SCALE_WORDS)
+            if TRANSPORT == NVSHMEM:
+                if tl.sum(tl.where(ks == k, by_put.to(tl.int32), 0), axis=0) > 0:
+                    tl.store(staged_message + DATA_WORDS + SCALE_WORDS + 1, k)
+                    signals.fence_system(GPU)   # every thread's part of the message, before it is read
+                    nvshmem.put_block(heap_base + address, staged, MESSAGE_WORDS * 4,
+                                      tl.sum(tl.where(ks == k, pes, 0), axis=0))
+                    tl.debug_barrier()   # the put read the message before its k changes
+                else:
+                    _store_message(message, data, scale_bits, token, k, HIDDEN, HIDDEN_PAD, USE_FP8, GROUPS_PAD,
+                                   DATA_WORDS, SCALE_WORDS)
             else:
-                words = tl.arange(0, HIDDEN_PAD // 2)
-                tl.store(message + words, data, mask=words < DATA_WORDS)
-            tl.store(message + DATA_WORDS + SCALE_WORDS, token)
-            tl.store(message + DATA_WORDS + SCALE_WORDS + 1, k)
+                _store_message(message, data, scale_bits, token, k, HIDDEN, HIDDEN_PAD, USE_FP8, GROUPS_PAD,
+                               DATA_WORDS, SCALE_WORDS)
 
 
 @triton.jit
 def _raise_flags(staged, peer_base_ptrs, area, my_area, slot, rank, masked, ranks, num_experts, experts_per_rank,
-                 NUM_RANKS: tl.constexpr, FLAG_BLOCK: tl.constexpr, GPU: tl.constexpr):
+                 NUM_RANKS: tl.constexpr, FLAG_BLOCK: tl.constexpr, TRANSPORT: tl.constexpr, GPU: tl.constexpr):
     """Write each expert's staged ``(use << 32) | rows`` into its flag at its rank; flags of
-    masked ranks go to this rank's scratch word instead (one unconditional vector store)."""
+    masked ranks go to this rank's scratch word instead (one unconditional vector store).
+
+    ``NVSHMEM``: first every put of the launch has arrived (``quiet``: the programs that made
+    them finished before this one, ``last_program_done``); then the flags of ranks the peer table
+    maps no address for are set by NVSHMEM signals, one per lane, and the other lanes' signals
+    go to this rank's scratch word (a signal cannot be masked off)."""
+    if TRANSPORT == NVSHMEM:
+        nvshmem.quiet()
     for first in range(0, num_experts, FLAG_BLOCK):
         expert = first + tl.arange(0, FLAG_BLOCK)
         valid = expert < num_experts
@@ -139,6 +183,14 @@ def _raise_flags(staged, peer_base_ptrs, area, my_area, slot, rank, masked, rank
         local_expert = expert - destination * experts_per_rank
         flag_address = tl.load(peer_base_ptrs + destination) + area \
             + (FLAGS + slot * MAX_EXPERTS + local_expert * NUM_RANKS + rank) * 8
+        if TRANSPORT == NVSHMEM:
+            # Flags of peers the table maps no address for (0: flag_address is the flag's offset
+            # in the heap), named by their address in this rank's heap.
+            by_put = wanted & (tl.load(peer_base_ptrs + destination) == 0)
+            nvshmem.set_lanes(tl.where(by_put, my_area - area + flag_address, my_area + SCRATCH * 8),
+                              tl.load(staged + expert, mask=valid, other=0),
+                              nvshmem.peer_pe(peer_base_ptrs, tl.where(by_put, destination, rank), NUM_RANKS))
+            wanted = wanted & ~by_put
         address = tl.where(wanted, flag_address, my_area + SCRATCH * 8)
         signals.store_relaxed(address.to(tl.pointer_type(tl.int64)), tl.load(staged + expert, mask=valid, other=0), GPU)
 
@@ -172,18 +224,19 @@ def _store_scales(bits, row_ok, out_scales_ptr, out_rows, slots_per_expert, USE_
 # x_row_stride stays specialised: a stride divisible by 16 lets the row loads be 16 bytes wide.
 @kernel_names.jit("tritonep::low_latency::dispatch",
                   do_not_specialize=["num_tokens", "area", "slot", "slot_bytes", "rank", "timeout_ns",
-                                     "num_max_tokens", "experts_per_rank", "status_address"])
+                                     "num_max_tokens", "experts_per_rank", "status_address", "send_area"])
 def low_latency_dispatch_kernel(
     x_ptr, x_row_stride, topk_idx_ptr, num_tokens,
     out_x_ptr, out_scales_ptr, out_src_info_ptr, out_topk_slot_ptr, out_layout_range_ptr, out_count_ptr,
     recv_stats_ptr, wait_stats_ptr, mask_ptr, saved_mask_ptr,
     peer_base_ptrs, area, my_area, slot, slot_bytes, rank, status_address, timeout_ns, num_max_tokens,
-    experts_per_rank, NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
-    PAIRS_PAD: tl.constexpr, TOPK_PAD: tl.constexpr, USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr,
+    experts_per_rank, send_area, NUM_RANKS: tl.constexpr, HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr,
+    NUM_TOPK: tl.constexpr, PAIRS_PAD: tl.constexpr, TOPK_PAD: tl.constexpr, USE_FP8: tl.constexpr,
+    ROUND_SCALE: tl.constexpr,
     USE_UE8M0: tl.constexpr,
     HAS_RECV_STATS: tl.constexpr, HAS_WAIT_STATS: tl.constexpr, HAS_MASK: tl.constexpr, DO_SEND: tl.constexpr,
     DO_RECV: tl.constexpr, GROUPS_PAD: tl.constexpr, RANKS_PAD: tl.constexpr, RECV_ROWS: tl.constexpr,
-    BLOCK: tl.constexpr, GPU: tl.constexpr,
+    BLOCK: tl.constexpr, GPU: tl.constexpr, TRANSPORT: tl.constexpr,
 ):
     """``x_ptr`` is bf16 [N, H] (``x_row_stride`` even, in elements). ``out_x_ptr`` is the int32
     view of packed_recv_x; ``out_scales_ptr`` its scales
@@ -191,7 +244,10 @@ def low_latency_dispatch_kernel(
     that a timed-out wait writes (phase, peer) into. ``mask_ptr``: this rank's int32 [R] mask
     (shrink mode); ``saved_mask_ptr``: int32 [R], the mask this dispatch used (in its handle).
     ``my_area``: ``peer_base_ptrs[rank] + area``, passed rather than loaded, since every address
-    of the kernel's first steps depends on it."""
+    of the kernel's first steps depends on it. ``peer_base_ptrs``: the peer table (``area.py``);
+    ``TRANSPORT`` (``device/nvshmem.py``): ``STORES``, every peer by stores through it, or
+    ``NVSHMEM``, peers it maps no address for by puts from ``send_area`` (this slot's messages
+    to be put, in this rank's heap; None with ``STORES``)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     status_ptr = status_address.to(tl.pointer_type(tl.int64))
@@ -227,7 +283,8 @@ def low_latency_dispatch_kernel(
                                                       NUM_RANKS, RANKS_PAD, MAX_RANKS, HAS_MASK, GPU)
         while sent_token < num_tokens:
             _write_token(send_data, send_scales, send_addresses, send_destinations, sent_token, masked, ranks,
-                         NUM_TOPK, TOPK_PAD, HIDDEN, HIDDEN_PAD, USE_FP8, GROUPS_PAD, DATA_WORDS, SCALE_WORDS)
+                         peer_base_ptrs, send_area, my_area - area, NUM_RANKS, NUM_TOPK, TOPK_PAD, HIDDEN, HIDDEN_PAD,
+                         USE_FP8, GROUPS_PAD, DATA_WORDS, SCALE_WORDS, MESSAGE_WORDS, TRANSPORT, GPU)
             sent_token += num_programs
             if sent_token < num_tokens:
                 send_data, send_scales, send_addresses, send_destinations = _read_token(
@@ -245,7 +302,7 @@ def low_latency_dispatch_kernel(
         if signals.last_program_done(control + ROWS_SENT):
             signals.fence_system(GPU)
             _raise_flags(staged, peer_base_ptrs, area, my_area, slot, rank, masked, ranks, num_experts,
-                         experts_per_rank, NUM_RANKS, 1024, GPU)
+                         experts_per_rank, NUM_RANKS, 1024, TRANSPORT, GPU)
 
     if DO_RECV:
         call = signals.load_own_counter(control + SEQUENCE_RECEIVED + slot) + 1
@@ -309,4 +366,4 @@ def low_latency_dispatch_kernel(
 
     signals.finish_low_latency_launch(
         control, peer_base_ptrs, area, slot, rank, masked, SEQUENCE_SENT, SEQUENCE_RECEIVED, SENT_USE, DONE_SEND,
-        DONE_RECEIVE, FREED, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND, DO_RECV, GPU)
+        DONE_RECEIVE, FREED, my_area - area, NUM_RANKS, RANKS_PAD, MAX_RANKS, DO_SEND, DO_RECV, GPU, TRANSPORT)

@@ -43,6 +43,7 @@ from tritonep.backends.nvlink.memory import SymmetricBuffer
 from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core.checks import InputError
 from tritonep.core.handles import LowLatencyHandle
+from tritonep.device.nvshmem import NVSHMEM, STORES, nvshmem_kernel
 from tritonep.runtime.launcher import aligned
 from tritonep.runtime.platform import GPU_KERNELS
 
@@ -63,22 +64,29 @@ class LowLatencyEngine:
     """The NVLink backend's low-latency calls on one Buffer: ``dispatch``, ``combine``, ``clean``
     and the zero-copy buffers, over an allocation of ``num_rdma_bytes``. Its kernels' launch
     shapes and rows per step, and the time-out, come from ``tuning``. ``memory``: an allocation
-    to run over instead of a new one (``LowLatencyArea``); ``ranks_per_node``: a group split into
-    nodes, whose time-out errors name the nodes. Collective to make."""
+    to run over instead of a new one, ``peer_table`` how the kernels reach its peers and
+    ``transport`` by what (``LowLatencyArea``); ``ranks_per_node``: a group split into nodes,
+    whose time-out errors name the nodes. Collective to make."""
 
     def __init__(self, group: dist.ProcessGroup, buffer_id: int, num_rdma_bytes: int, device: torch.device,
-                 tuning: Tuning, memory: SymmetricBuffer | None = None, ranks_per_node: int | None = None) -> None:
+                 tuning: Tuning, memory: SymmetricBuffer | None = None, ranks_per_node: int | None = None,
+                 peer_table: torch.Tensor | None = None, transport: int = STORES.value) -> None:
         self.group = group
         self.rank, self.num_ranks = group.rank(), group.size()
         self.buffer_id = buffer_id
         self.device = device
         self.tuning = tuning
-        self.area = LowLatencyArea(group, num_rdma_bytes, device, memory)
+        self.area = LowLatencyArea(group, num_rdma_bytes, device, memory, peer_table)
         self.calls = LowLatencyCalls(buffer_id, self.rank, device, tuning.timeout_ns, ranks_per_node)
-        self.dispatch_launcher = SendReceiveLauncher(low_latency_dispatch_kernel, _DISPATCH_CHANGING,
+        self.transport = transport
+        # Kernels that call NVSHMEM launch through torch's requires_nvshmem (device/nvshmem.py).
+        kernels = (low_latency_dispatch_kernel, low_latency_combine_kernel, low_latency_clean_kernel)
+        self._dispatch_kernel, self._combine_kernel, self._clean_kernel = \
+            [nvshmem_kernel(kernel) for kernel in kernels] if transport == NVSHMEM.value else kernels
+        self.dispatch_launcher = SendReceiveLauncher(self._dispatch_kernel, _DISPATCH_CHANGING,
                                                      tuning.low_latency_programs_per_sm, tuning.low_latency_warps,
                                                      device)
-        self.combine_launcher = SendReceiveLauncher(low_latency_combine_kernel, _COMBINE_CHANGING,
+        self.combine_launcher = SendReceiveLauncher(self._combine_kernel, _COMBINE_CHANGING,
                                                     tuning.low_latency_combine_programs_per_sm,
                                                     tuning.low_latency_combine_warps, device)
         # (T, H, E, K, fp8 options, slot) -> (that key, constexprs, regions, outputs)
@@ -113,9 +121,16 @@ class LowLatencyEngine:
             NUM_RANKS=R, HIDDEN=hidden, HIDDEN_PAD=_pow2(max(hidden, 128)), NUM_TOPK=num_topk,
             PAIRS_PAD=_pow2(max(T * num_topk, 16)), USE_FP8=request.use_fp8, ROUND_SCALE=request.round_scale,
             USE_UE8M0=request.use_ue8m0, GROUPS_PAD=_pow2(max(hidden // 128, 4)), RANKS_PAD=_pow2(R),
-            TOPK_PAD=_pow2(num_topk), RECV_ROWS=self.tuning.low_latency_recv_rows, BLOCK=2048)
+            TOPK_PAD=_pow2(num_topk), RECV_ROWS=self.tuning.low_latency_recv_rows, BLOCK=2048,
+            TRANSPORT=self.transport)
         self._dispatch_plans[key] = (key, constants, regions, outputs)
         return self._dispatch_plans[key]
+
+    def _dispatch_send_area(self, regions: LowLatencyRegions, slot: int) -> int | None:
+        """Where NVSHMEM's dispatch stages the messages it puts (None: plain stores put none)."""
+        if self.transport != NVSHMEM.value:
+            return None
+        return self.area.my_area + regions.dispatch_send_offset + slot * regions.dispatch_send_bytes
 
     def dispatch(self, request: LowLatencyDispatchRequest, rank_mask: torch.Tensor | None = None,
                  replay: LowLatencyDispatchReplay | None = None) -> LowLatencyDispatchResult:
@@ -147,7 +162,8 @@ class LowLatencyEngine:
                 wait_stats if wait_stats is not None else outputs.layout_range,
                 rank_mask if rank_mask is not None else outputs.dispatch_mask, outputs.dispatch_mask,
                 self.area.peer_base_ptrs, self.area.offset, self.area.my_area, slot, regions.dispatch_slot_bytes,
-                self.rank, calls.status.address, calls.timeout_ns, T, num_experts // self.num_ranks)
+                self.rank, calls.status.address, calls.timeout_ns, T, num_experts // self.num_ranks,
+                self._dispatch_send_area(regions, slot))
         flags = (recv_stats is not None, wait_stats is not None, rank_mask is not None)
         first, receive = self.dispatch_launcher.launch((key, flags), args, lambda: {
             **constants, "HAS_RECV_STATS": flags[0], "HAS_WAIT_STATS": flags[1], "HAS_MASK": flags[2]},
@@ -192,6 +208,9 @@ class LowLatencyEngine:
                              "recv hook first")
         T, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         source = self.get_next_low_latency_combine_buffer(handle) if zero_copy else x
+        # NVSHMEM puts rows from this call's zero-copy buffer (staged there unless it is the source).
+        send_area = self.area.zero_copy_addresses(T, hidden, num_experts)[calls.combine_buffer_index] \
+            if self.transport == NVSHMEM.value else None
         calls.combine_buffer_index ^= 1
         expert_stride, row_stride, column_stride = source.stride()
         # The replay's launches assume every tensor as the user gave it, contiguous.
@@ -220,14 +239,14 @@ class LowLatencyEngine:
                 rank_mask if rank_mask is not None else combine_mask, state.dispatch_mask, combine_mask,
                 self.area.peer_base_ptrs, self.area.offset, self.area.my_area, slot, regions.combine_offset,
                 regions.combine_slot_bytes, self.rank, calls.status.address, calls.timeout_ns, T,
-                num_experts // self.num_ranks)
-        key = (T, hidden, num_experts, num_topk, wait_stats is not None, rank_mask is not None, slot)
+                num_experts // self.num_ranks, send_area)
+        key = (T, hidden, num_experts, num_topk, wait_stats is not None, rank_mask is not None, slot, send_area)
 
         def constants() -> dict:
             return dict(NUM_RANKS=self.num_ranks, RANKS_PAD=_pow2(self.num_ranks), HIDDEN=hidden, NUM_TOPK=num_topk,
                         TOPK_PAD=_pow2(num_topk), HAS_WAIT_STATS=wait_stats is not None,
                         HAS_MASK=rank_mask is not None, ROWS=self.tuning.low_latency_rows, BLOCK=2048,
-                        REDUCE_BLOCK=min(_pow2(hidden), 2048))
+                        REDUCE_BLOCK=min(_pow2(hidden), 2048), TRANSPORT=self.transport)
 
         first, receive = self.combine_launcher.launch(key, args, constants, return_recv_hook)
         learner = None   # as in dispatch
@@ -277,11 +296,11 @@ class LowLatencyEngine:
             raise InputError("clean_low_latency_buffer: receive hooks of earlier calls are still pending")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # this rank's earlier calls, on any stream, are done
-        low_latency_clean_kernel[(1,)](
+        self._clean_kernel[(1,)](
             self.area.peer_base_ptrs, rank_mask if rank_mask is not None else self.combine_masks, self.area.offset,
             self.rank, calls.status.address, calls.timeout_ns, NUM_RANKS=self.num_ranks,
             RANKS_PAD=_pow2(self.num_ranks), HAS_MASK=rank_mask is not None, BLOCK=1024, GPU=GPU_KERNELS,
-            num_warps=4)
+            TRANSPORT=self.transport, num_warps=4)
         # Slots restart too, so ranks that made different numbers of calls before (one that was
         # masked and idle, say) agree on them again.
         calls.reset()

@@ -45,7 +45,10 @@ Data regions, two slots each:
   dispatch receive  [E/R, R, T] messages: the row (e4m3 bytes or bf16), then fp8 scales,
                     then (token, k), padded to 16 bytes;
   combine receive   [T, MAX_TOPK] bf16 rows: expert outputs for (token, k) of this rank;
-  zero-copy buffers [E/R, R*T, hidden] bf16 (``get_next_low_latency_combine_buffer``).
+  zero-copy buffers [E/R, R*T, hidden] bf16 (``get_next_low_latency_combine_buffer``);
+  dispatch send     [T] messages: with NVSHMEM, where a token's message is put from (a put's
+                    source lies in the sender's heap). The combine's puts send from the
+                    zero-copy buffers, as DeepEP's do.
 """
 
 from __future__ import annotations
@@ -110,5 +113,14 @@ class LowLatencyRegions:
         return self.combine_offset + 2 * self.combine_slot_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def dispatch_send_bytes(self) -> int:
+        _, _, words = message_words(self.hidden, False)
+        return self.num_max_dispatch_tokens_per_rank * words * 4
+
+    @property
+    def dispatch_send_offset(self) -> int:
         return self.zero_copy_offset + 2 * self.zero_copy_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dispatch_send_offset + 2 * self.dispatch_send_bytes

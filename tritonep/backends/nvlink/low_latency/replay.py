@@ -47,6 +47,8 @@ _D_X, _D_TOPK_IDX, _D_TOKENS, _D_RECV_STATS, _D_WAIT_STATS = argument_positions(
 _COMBINE_CHANGES = argument_positions(
     low_latency_combine_kernel, "x_ptr", "src_info_ptr", "topk_slot_ptr", "layout_range_ptr", "topk_idx_ptr",
     "topk_weights_ptr", "out_ptr", "dispatch_mask_ptr", "wait_stats_ptr", "num_tokens")
+# NVSHMEM's combines put from the zero-copy buffer of the call (None with plain stores).
+_C_SEND_AREA, = argument_positions(low_latency_combine_kernel, "send_area")
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype, device_index: int) -> bool:
@@ -211,10 +213,12 @@ class LowLatencyCombineReplay:
         stats_address = layout_address if wait_stats is None else wait_stats.data_ptr()
         if (source | topk_address | weights_address | out_address | stats_address) & 15:
             return None
+        raw = first.args
+        if raw[_C_SEND_AREA] is not None:
+            raw[_C_SEND_AREA] = self.zero_copy_addresses[calls.combine_buffer_index]
         calls.combine_buffer_index ^= 1
         # CallOrder.start, its check done above.
         call = order.sent = order.sent + 1
-        raw = first.args
         x_arg, src_info_arg, topk_slot_arg, layout_arg, topk_arg, weights_arg, out_arg, mask_arg, stats_arg, \
             tokens_arg = _COMBINE_CHANGES
         raw[x_arg], raw[src_info_arg], raw[topk_slot_arg], raw[layout_arg] = \
