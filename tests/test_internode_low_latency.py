@@ -47,8 +47,9 @@ def on_nodes(group, ranks_per_node: int, function_name: str, *args) -> tuple[obj
 
 def _run(pool: RankPool, ranks_per_node: int, function_name: str, *args) -> list:
     outcomes = pool.run(on_nodes, ranks_per_node, function_name, *args)
-    for _, backends in outcomes:   # stalled_peer_error keeps no Buffer
-        assert backends == (["InternodeBackend"] if function_name != "stalled_peer_error" else []), backends
+    if function_name != "stalled_peer_error":   # which keeps no Buffer (earlier cases' may be kept)
+        for _, backends in outcomes:
+            assert backends == ["InternodeBackend"], backends
     return [result for result, _ in outcomes]
 
 
@@ -221,7 +222,7 @@ def _transport_cases(R: int) -> list[LowLatencyCase]:
         LowLatencyCase(seed=41, tokens=(120,) * R, T=128, hidden=7168, num_experts=8 * R, num_topk=8),
         LowLatencyCase(seed=42, tokens=(128,) * R, T=128, hidden=7168, num_experts=8 * R, num_topk=8,
                        use_fp8=False, hook=True, zero_copy=True, use_out=True, calls=2),
-        LowLatencyCase(seed=43, tokens=tuple(16 * (r % 3) for r in range(R)), T=16, hidden=2048,
+        LowLatencyCase(seed=43, tokens=tuple(8 * (r % 3) for r in range(R)), T=16, hidden=2048,
                        num_experts=4 * R, num_topk=4, round_scale=True, use_ue8m0=True, routing="skewed", calls=3),
         LowLatencyCase(seed=44, tokens=(100,) * R, T=128, hidden=7168, num_experts=8 * R, num_topk=8, hook=True,
                        calls=3, masks=(none, symmetric_masks(R, (R - 1,)), none),

@@ -81,7 +81,7 @@ def _put_rows(expert_x, row_stride, src_info_ptr, topk_slot_ptr, begin, count, s
 
 
 @kernel_names.jit("tritonep::low_latency::combine",
-                  do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area",
+                  do_not_specialize=["expert_stride", "row_stride", "num_tokens", "out_row_stride", "area", "slot",
                                      "combine_offset", "slot_bytes", "rank", "timeout_ns", "num_max_tokens",
                                      "experts_per_rank", "status_address", "send_area"])
 def low_latency_combine_kernel(
