@@ -115,15 +115,6 @@ def test_internode_backend_serves_elastic_buffer(interpreter_pools):
     interpreter_pools(4).run(case_backends_agree_on_nodes, world, 2)
 
 
-@pytest.mark.gpu(min_gpus=2)
-def test_gpu_internode_backend_serves_elastic_buffer(transport_pool):
-    """Every split of the machine's ranks into nodes (NVSHMEM with one GPU per rank)."""
-    R = transport_pool.num_ranks
-    world = build_world(R, seed=8, strategy="skewed", H=256, E_local=3, K=4, alignment=128, num_biases=1)
-    for ranks_per_node in [g for g in range(1, R) if R % g == 0]:
-        transport_pool.run(case_backends_agree_on_nodes, world, ranks_per_node)
-
-
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("alignment", [1, 128])
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -183,3 +174,14 @@ def captured_dispatch_matches_eager(group) -> list[str]:
 @pytest.mark.gpu(min_gpus=1)
 def test_gpu_dispatch_without_cpu_sync_in_a_cuda_graph(gpu_pool):
     assert gpu_pool.run(captured_dispatch_matches_eager) == [[]] * gpu_pool.num_ranks
+
+
+# Last in the module, as in the other internode modules: its NVSHMEM ranks (``transport_pool``)
+# live until the module ends, so no case on the session's ranks runs beside them.
+@pytest.mark.gpu(min_gpus=2)
+def test_gpu_internode_backend_serves_elastic_buffer(transport_pool):
+    """Every split of the machine's ranks into nodes (NVSHMEM with one GPU per rank)."""
+    R = transport_pool.num_ranks
+    world = build_world(R, seed=8, strategy="skewed", H=256, E_local=3, K=4, alignment=128, num_biases=1)
+    for ranks_per_node in [g for g in range(1, R) if R % g == 0]:
+        transport_pool.run(case_backends_agree_on_nodes, world, ranks_per_node)
