@@ -137,6 +137,30 @@ def case_dispatch_combine(group, seed: int, use_fp8: bool, num_nodes: int) -> di
             "combined_x": combined, "combined_topk_weights": combined_w}
 
 
+def case_internode_handle(group) -> None:
+    """The handle reads as DeepEP's internode 10-tuple does in DeepEP's own internode test: rows
+    from ranks 0..i end at ``handle[-4][i]`` (each rank sends rows filled with its rank), rows
+    from nodes 0..n at ``handle[4][n]``, and ``handle[0]`` is is_token_in_rank. A cached dispatch
+    and a combine take it back."""
+    buffer = deep_ep.Buffer(group)
+    rank, per_node = group.rank(), buffer.ranks_per_node
+    _, topk_idx, weights = make_inputs(5, rank, 7)
+    x = torch.full((7, HIDDEN), float(rank), dtype=torch.bfloat16)
+    recv_x, _, _, _, handle, _ = layout_and_dispatch(buffer, x, topk_idx, weights)
+    assert len(handle) == 10 and torch.equal(handle[0], buffer.get_dispatch_layout(topk_idx, NUM_EXPERTS)[3])
+    from_ranks, from_nodes = handle[-4], handle[4]
+    assert from_ranks.dtype == torch.int32 and from_ranks.shape == (group.size(),)
+    assert from_nodes.tolist() == from_ranks[per_node - 1::per_node].tolist()
+    start = 0
+    for source, end in enumerate(from_ranks.tolist()):
+        assert bool((recv_x[start:end].float() == source).all()), f"rows {start}..{end} are not rank {source}'s"
+        start = end
+    assert start == recv_x.shape[0]
+    assert torch.equal(buffer.dispatch(x, handle=handle)[0], recv_x)
+    combined = buffer.combine(recv_x, handle)[0]
+    assert combined.shape == x.shape
+
+
 def case_low_latency(group, seed: int) -> dict[str, torch.Tensor]:
     size = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, group.size(), NUM_EXPERTS)
     buffer = deep_ep.Buffer(group, num_rdma_bytes=size, low_latency_mode=True)
@@ -238,6 +262,11 @@ def test_dispatch_combine_same_as_single_node(split, single_node_pools, use_fp8:
     reference = single_node_pool(single_node_pools, pool.num_ranks)
     assert_same_as_single_node(pool.run(case_dispatch_combine, 3, use_fp8, nodes),
                                reference.run(case_dispatch_combine, 3, use_fp8, 1))
+
+
+def test_handle_placed_like_deep_ep_internode(split) -> None:
+    pool, _ = split
+    pool.run(case_internode_handle)
 
 
 def test_low_latency_same_as_single_node(split, single_node_pools) -> None:

@@ -2,7 +2,8 @@
 
 Users treat them as opaque, except that a normal-mode handle is placed like DeepEP's
 intranode 6-tuple (element 0 ``rank_prefix_matrix``, 3 ``recv_src_idx``, 4
-``is_token_in_rank``) and a low-latency handle unpacks as
+``is_token_in_rank``), or, on a group that spans nodes, like its internode 10-tuple
+(``NodeDispatchHandle``), and a low-latency handle unpacks as
 ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``,
 both as in DeepEP. Each handle remembers the ``Buffer`` that made it, so that passing it to
 another buffer raises instead of reading the wrong memory.
@@ -60,6 +61,37 @@ class DispatchHandle(tuple):
     rank_prefix_matrix = property(itemgetter(0))
     recv_src_idx = property(itemgetter(3))
     is_token_in_rank = property(itemgetter(4))
+
+
+class NodeDispatchHandle(DispatchHandle):
+    """The handle of a group that spans nodes: a 10-tuple placed like DeepEP's internode handle,
+    ``(is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+    recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
+    recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head)``. The received rows
+    are ordered by source rank, then token, so the two prefix sums are columns of
+    ``rank_prefix_matrix``: rows received from ranks 0..i (element 6, int32 [R]) and from nodes
+    0..n (element 4, int32 [nodes]). No channels, source metadata or send heads: None there. The
+    fields the library reads are the same attributes as on ``DispatchHandle``."""
+
+    def __new__(cls, rank_prefix_matrix: torch.Tensor, is_token_in_rank: torch.Tensor,
+                recv_src_idx: torch.Tensor, num_recv_rows: int, hidden: int, buffer_id: int,
+                backend_state: Any = None, *, rank: int, ranks_per_node: int) -> NodeDispatchHandle:
+        from_ranks = rank_prefix_matrix[:, rank].contiguous()
+        from_nodes = from_ranks[ranks_per_node - 1::ranks_per_node].contiguous()
+        handle = tuple.__new__(cls, (is_token_in_rank, None, None, None, from_nodes, None, from_ranks, None, None,
+                                     None))
+        handle.num_recv_rows = num_recv_rows
+        handle.hidden = hidden
+        handle.buffer_id = buffer_id
+        handle.backend_state = backend_state
+        handle.replays = ReplayTable()
+        handle.node_fields = (rank_prefix_matrix, recv_src_idx)
+        return handle
+
+    node_fields: tuple[torch.Tensor, torch.Tensor]   # (rank_prefix_matrix, recv_src_idx)
+    rank_prefix_matrix = property(lambda self: self.node_fields[0])
+    recv_src_idx = property(lambda self: self.node_fields[1])
+    is_token_in_rank = property(itemgetter(0))
 
 
 class LowLatencyHandle(tuple):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tritonep.backends import base
 from tritonep.backends.collective import low_latency, normal
-from tritonep.core import expert_layout
+from tritonep.core import expert_layout, topology
 from tritonep.core.checks import require
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import LowLatencyHandle
@@ -46,6 +46,9 @@ class CollectiveBackend(base.Backend):
         self._memory: dict[bool, torch.Tensor] = {}
         # Which of the two low-latency combine buffers the next combine sends from.
         self._combine_buffer_index = 0
+        # A group that spans nodes gets DeepEP's internode handle (its results are one node's).
+        per_node = topology.ranks_per_node(group.size())
+        self.ranks_per_node = per_node if per_node < group.size() else None
 
     @property
     def device(self) -> torch.device:
@@ -80,7 +83,7 @@ class CollectiveBackend(base.Backend):
         return normal.get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
 
     def dispatch(self, request: base.DispatchRequest) -> base.DispatchResult:
-        return normal.dispatch(self.group, self.buffer_id, request)
+        return normal.dispatch(self.group, self.buffer_id, request, self.ranks_per_node)
 
     def combine(self, request: base.CombineRequest) -> base.CombineResult:
         weights = request.topk_weights

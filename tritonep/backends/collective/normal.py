@@ -24,7 +24,7 @@ from tritonep.backends.base import DispatchRequest, DispatchResult
 from tritonep.backends.collective import packing
 from tritonep.core import routing
 from tritonep.core.checks import InputError
-from tritonep.core.handles import DispatchHandle
+from tritonep.core.handles import DispatchHandle, NodeDispatchHandle
 
 _HEADER_NAMES = ["hidden", "top-k", "num_experts", "x dtype (bf16/fp8)", "scales dtype (none/float32/int32)",
                  "number of scale columns"]
@@ -59,8 +59,10 @@ def _scale_code(scales: torch.Tensor | None) -> tuple[int, int]:
     return (1 if scales.dtype == torch.float32 else 2), scales.shape[1]
 
 
-def dispatch(group: dist.ProcessGroup, buffer_id: int, request: DispatchRequest) -> DispatchResult:
-    """Fresh or cached dispatch (see the module doc and SPEC "dispatch")."""
+def dispatch(group: dist.ProcessGroup, buffer_id: int, request: DispatchRequest,
+             ranks_per_node: int | None = None) -> DispatchResult:
+    """Fresh or cached dispatch (see the module doc and SPEC "dispatch"). ``ranks_per_node``:
+    on a group that spans nodes, the handle is placed like DeepEP's internode one."""
     if request.cached_handle is not None:
         return _cached_dispatch(group, request)
     rank, num_ranks = group.rank(), group.size()
@@ -133,8 +135,12 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: DispatchRequest)
         recv_scales[:num_real] = unpacked[-1]
 
     layout = NormalLayout(token_index, send_splits, recv_splits, num_real)
-    handle = DispatchHandle(routing.rank_prefix_matrix(count_matrix).to(device), in_rank, recv_src_idx, num_rows,
-                            hidden, buffer_id, layout)
+    prefix = routing.rank_prefix_matrix(count_matrix).to(device)
+    if ranks_per_node is None:
+        handle = DispatchHandle(prefix, in_rank, recv_src_idx, num_rows, hidden, buffer_id, layout)
+    else:
+        handle = NodeDispatchHandle(prefix, in_rank, recv_src_idx, num_rows, hidden, buffer_id, layout, rank=rank,
+                                    ranks_per_node=ranks_per_node)
     return DispatchResult(recv_x, recv_scales, recv_topk_idx, recv_topk_weights, expert_list, handle)
 
 

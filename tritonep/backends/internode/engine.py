@@ -6,7 +6,7 @@ rank holds the same table, so every rank raises alike); then this rank's rows ar
 per destination node into its send area (torch ops), the network stage puts them to the nodes
 and the node stage places them. A cached dispatch repacks x with the handle's plan and skips
 the exchange. A combine stages its input, reduces inside the node and sends the sums back.
-Routing comes from ``core/routing.py``; handles are the NVLink backend's ``DispatchHandle``.
+Routing comes from ``core/routing.py``; handles are ``NodeDispatchHandle``s (DeepEP's internode tuple).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tritonep.backends.internode.transport import launch
 from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core import routing
 from tritonep.core.checks import InputError
-from tritonep.core.handles import DispatchHandle
+from tritonep.core.handles import NodeDispatchHandle
 from tritonep.runtime.launcher import as_words
 from tritonep.runtime.platform import GPU_KERNELS
 from tritonep.runtime.status import StatusWord, timeout_error
@@ -168,8 +168,8 @@ class InternodeNormal:
         self._launch_dispatch(plan, prefix, packing, cap, send, landing, outputs, num_out_rows, request.num_experts)
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
         if handle is None:
-            handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
-                                    self.buffer_id, plan)
+            handle = NodeDispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
+                                        self.buffer_id, plan, rank=rank, ranks_per_node=G)
         if request.cached_handle is not None:
             recv_idx = recv_weights = None
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle)
