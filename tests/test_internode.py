@@ -175,22 +175,22 @@ def test_kernels_compile_for_hopper() -> None:
                             heap_base=1 << 40, rank=1, staging_x=1 << 29, staging_weights=(1 << 29) + (1 << 27),
                             epoch=3, released_target=2, **status),
                        dict(STAGED=128, STAGING_FREE=160, DONE=520, RANKS_PER_NODE=2, NUM_TOPK=8, WEIGHTS_PAD=8,
-                            HAS_WEIGHTS=True, ROWS=8, BLOCK=256, GPU=True))
+                            HAS_WEIGHTS=True, ROWS=8, BLOCK=1024, GPU=True), RECEIVE_WARPS)
     compile_for_hopper(combine_kernel.node_reduce_kernel,
                        dict(node_peer_ptrs=I64, transport_table=I64, heap_base=1 << 40, rank=1, prefix_ptr=I32,
                             landing_rows_ptr=I32, kept_pos_ptr=I32, kept_rows=4096, hidden=7168, staging_x=1 << 29,
                             staging_weights=(1 << 29) + (1 << 27), partial_send=1 << 30,
                             partial_landing=(1 << 30) + (1 << 28), cap=2048, epoch=3, released_target=2, **status),
                        dict(STAGED=128, STAGING_FREE=160, TAIL=192, FREE=448, DONE=528, RANKS_PER_NODE=2,
-                            NUM_NODES=2, NUM_RANKS=4, CHANNELS=CHANNELS, WEIGHTS_PAD=8, HAS_WEIGHTS=True, ROWS=8,
-                            BLOCK=NODE_BLOCK, **common), PUT_WARPS)
+                            NUM_NODES=2, NUM_RANKS=4, CHANNELS=CHANNELS, WEIGHTS_PAD=8, HAS_WEIGHTS=True,
+                            NODE_PAD=2, ROWS=8, BLOCK=NODE_BLOCK, **common), PUT_WARPS)
     compile_for_hopper(combine_kernel.final_reduce_kernel,
                        dict(transport_table=I64, heap_base=1 << 40, rank=1, node_pos_ptr=I32, num_tokens=4096,
                             hidden=7168, partial_landing=(1 << 30) + (1 << 28), cap=2048, bias0_ptr=BF16,
                             bias1_ptr=BF16, out_ptr=BF16, out_weights_ptr=F32, epoch=3, **status),
                        dict(TAIL=192, FREE=448, DONE=536, RANKS_PER_NODE=2, NUM_NODES=2, CHANNELS=CHANNELS, NUM_TOPK=8,
-                            WEIGHTS_PAD=8, HAS_WEIGHTS=True, HAS_BIAS0=True, HAS_BIAS1=False, TOKENS=4, BLOCK=128,
-                            **common))
+                            WEIGHTS_PAD=8, HAS_WEIGHTS=True, HAS_BIAS0=True, HAS_BIAS1=False, NODES_PAD=2, TOKENS=4,
+                            BLOCK=NODE_BLOCK, **common), RECEIVE_WARPS)
 
 
 def refused(group, variables: dict[str, str], **kwargs) -> str:

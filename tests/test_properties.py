@@ -239,7 +239,8 @@ def _round_trip_calls(group, world: World) -> dict:
     recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights, expert_alignment=world.alignment)
-    out["dispatch"] = (recv_x.clone(), recv_idx.clone(), recv_w.clone(), list(counts), handle[0].clone())
+    out["dispatch"] = (recv_x.clone(), recv_idx.clone(), recv_w.clone(), list(counts),
+                       handle.rank_prefix_matrix.clone())
     out["list_types"] = (type(counts).__name__, sorted({type(c).__name__ for c in counts}))
 
     biases = world.biases[rank]

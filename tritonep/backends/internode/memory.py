@@ -130,8 +130,8 @@ class TransportHeap:
         if self.transport == STORES.value:
             return self.transport_table
         rank = self.group.rank()
-        mapped = self.node_peer_ptrs if nvlink else torch.where(
-            torch.arange(self.group.size(), device=self.node_peer_ptrs.device) == rank, self.node_peer_ptrs, 0)
+        ranks = torch.arange(self.group.size(), dtype=torch.int64, device=self.node_peer_ptrs.device)
+        mapped = self.node_peer_ptrs if nvlink else torch.where(ranks == rank, self.node_peer_ptrs, 0)
         return torch.cat([mapped, self.transport_table])
 
     def _allocate_nvshmem(self, group: dist.ProcessGroup, nbytes: int,
