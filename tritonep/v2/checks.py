@@ -103,6 +103,27 @@ def split_x(x: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return x, None
 
 
+def _fresh_tensors_fit(x: object, topk_idx: object, topk_weights: object, on_gpu: bool) -> bool:
+    """The usual fresh dispatch's tensors pass every check below: contiguous bf16 x [N, H] with
+    16-byte rows, int64 topk_idx [N, K > 0] and float32 topk_weights [N, K] or None, all on the
+    buffer's kind of device. A few reads in one function; a miss runs the full checks, which
+    say what is wrong."""
+    if type(x) is not torch.Tensor or type(topk_idx) is not torch.Tensor:
+        return False
+    if not ((x.is_cuda and topk_idx.is_cuda) if on_gpu else (x.is_cpu and topk_idx.is_cpu)):
+        return False
+    if (x.dtype is not torch.bfloat16 or topk_idx.dtype is not torch.int64 or x.dim() != 2 or topk_idx.dim() != 2
+            or not x.is_contiguous() or not topk_idx.is_contiguous()):
+        return False
+    num_tokens, hidden = x.shape
+    if topk_idx.shape[0] != num_tokens or topk_idx.shape[1] <= 0 or hidden <= 0 or hidden % 8:   # 8 bf16: 16 bytes
+        return False
+    return topk_weights is None or (
+        type(topk_weights) is torch.Tensor and topk_weights.dtype is torch.float32
+        and topk_weights.shape == topk_idx.shape and (topk_weights.is_cuda if on_gpu else topk_weights.is_cpu)
+        and topk_weights.is_contiguous())
+
+
 def _matches(name: str, given: object, cached: int) -> int:
     if not (given is None or given == cached):
         raise InputError(f"cached dispatch: {name}={given!r} differs from the handle's {cached}")
@@ -114,7 +135,8 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
                   do_expand: object, do_zero_padding: object, default_max_tokens: int, num_ranks: int, buffer_id: int,
                   device: torch.device) -> DispatchCall:
     """A fresh dispatch (``topk_idx`` given) or a cached one (``handle`` given), checked."""
-    data, scales = split_x(x, device)
+    fits = handle is None and _fresh_tensors_fit(x, topk_idx, topk_weights, device.type == "cuda")
+    data, scales = (x, None) if fits else split_x(x, device)   # type: ignore[assignment]
     num_tokens = data.shape[0]
     require(not do_zero_padding or do_expand, "do_zero_padding zeroes the expanded layout's gaps: it needs "
                                               "do_expand=True")
@@ -136,9 +158,10 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
         do_cpu_sync = False
     else:
         require(topk_idx is not None, "dispatch needs topk_idx (or a handle from an earlier dispatch)")
-        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
-        assert isinstance(topk_idx, torch.Tensor)
-        require(topk_idx.shape[1] > 0, "topk_idx must have at least one column")
+        if not fits:
+            checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
+            assert isinstance(topk_idx, torch.Tensor)
+            require(topk_idx.shape[1] > 0, "topk_idx must have at least one column")
         require(num_experts is not None, "dispatch without a handle needs num_experts")
         checks.check_num_experts(num_experts, num_ranks)   # type: ignore[arg-type]
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)   # type: ignore[arg-type]
@@ -152,7 +175,7 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
     if num_tokens > num_max_tokens_per_rank:   # type: ignore[operator]
         raise InputError(f"x has {num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
-    if topk_weights is not None:
+    if topk_weights is not None and not fits:
         checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
                             device=device)
     if stats is not None:
