@@ -225,12 +225,15 @@ def expert_layout_kernel(
 
 
 # Per call the tensors and the sizes change; this rank and the shape (ranks, T, top-k, experts,
-# options) are the setup, which fixes the grid.
-_EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=(
-    "exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr", "stats_ptr",
-    "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr", "other_slots_ptr",
-    "topk_copy_ptr", "slots_ptr", "source_ptr", "expanded_weights_ptr", "num_rows", "num_tokens", "num_expanded",
-    "alignment", "has_stats", "copy_topk"))
+# options) are the setup, which fixes the grid. Without the expanded layout its three outputs
+# are the engine's placeholders and num_expanded is 0, fixed by the setup (whose launch
+# generation names the engine): that launcher converts four arguments fewer per call.
+_CHANGING = ("exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr",
+             "stats_ptr", "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr",
+             "other_slots_ptr", "topk_copy_ptr", "num_rows", "num_tokens", "alignment", "has_stats", "copy_topk")
+_EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=_CHANGING)
+_EXPERT_LAYOUT_EXPANDED = FastLauncher(expert_layout_kernel, changing=_CHANGING + (
+    "slots_ptr", "source_ptr", "expanded_weights_ptr", "num_expanded"))
 
 BLOCK_ROWS = BLOCK_TOKENS = BLOCK_SLOTS = 256
 EXPERT_GROUP = 8   # local experts per slot program: each walks its source's rows once for all of them
@@ -309,7 +312,7 @@ def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos
     if shape is None:
         shape = _SHAPES[setup] = _LayoutShape.make(rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand)
     stats, int32 = request.stats, placeholders(torch.int32)
-    _EXPERT_LAYOUT(
+    (_EXPERT_LAYOUT_EXPANDED if expand else _EXPERT_LAYOUT)(
         shape.grid, setup,
         # The kernel's argument groups, in its order.
         (exchange, send_pos, handle.recv_src_idx, recv_idx, request.recv_topk_weights, request.topk_idx,
