@@ -112,9 +112,9 @@ def host_work(group: dist.ProcessGroup) -> dict[str, tuple]:
 
 
 def test_layout_and_cached_dispatch_host_work(interpreter_pools) -> None:
-    # One launch, three empty outputs and, on CPU ranks only, the ids' value check (the min and
-    # the max read back; on a GPU the layout kernel counts bad ids instead), nothing else.
-    layout = (1, {EMPTY: 3, "aten.min.default": 1, "aten.max.default": 1, "aten._local_scalar_dense.default": 2}, 0)
+    # One launch, three empty outputs and, on CPU ranks only, the ids' value check (their range in
+    # one aminmax, both ends read back; on a GPU the layout kernel counts bad ids instead), nothing else.
+    layout = (1, {EMPTY: 3, "aten.aminmax.default": 1, "aten._local_scalar_dense.default": 2}, 0)
     for num_ranks in (1, 2):
         for counted in interpreter_pools(num_ranks).run(host_work):
             assert counted["layout"] == counted["layout, repeated"] == layout, counted

@@ -187,7 +187,7 @@ EXPANDED_OPS = FRESH_OPS + Counter({"aten.empty": 3, "aten.clamp": 1, "aten.inde
 ZERO_PADDING_OPS = EXPANDED_OPS + Counter({"aten.lt": 1, "aten.view": 1, "aten.masked_fill_": 1})
 # On CPU ranks V1 reads the range of the expert ids back twice (get_dispatch_layout, dispatch),
 # V2 once (on GPUs neither does: the layout kernel counts bad ids).
-V1_ONLY_ON_CPU = Counter({"aten.min": 1, "aten.max": 1, "aten._local_scalar_dense": 2})
+V1_ONLY_ON_CPU = Counter({"aten.aminmax": 1, "aten._local_scalar_dense": 2})
 
 
 def fresh_dispatch_work(group: dist.ProcessGroup) -> list[str]:

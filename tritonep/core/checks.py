@@ -95,16 +95,18 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
     # dispatch raises on every rank before any row moves.
     if topk_idx.numel() == 0 or topk_idx.is_cuda:
         return
-    low, high = int(topk_idx.min()), int(topk_idx.max())
-    require(low >= -1 and high < num_experts,
-            f"{name} entries must be in [-1, {num_experts}) (-1 = no expert), got values in [{low}, {high}]")
+    low, high = torch.aminmax(topk_idx)   # one pass for both ends
+    low, high = int(low), int(high)
+    if low < -1 or high >= num_experts:
+        raise InputError(f"{name} entries must be in [-1, {num_experts}) (-1 = no expert), got values in "
+                         f"[{low}, {high}]")
 
 
 def check_num_experts(num_experts: int, num_ranks: int) -> None:
-    require(isinstance(num_experts, int) and num_experts > 0,
-            f"num_experts must be a positive int, got {num_experts!r}")
-    require(num_experts % num_ranks == 0,
-            f"num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})")
+    if not (isinstance(num_experts, int) and num_experts > 0):
+        raise InputError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % num_ranks:
+        raise InputError(f"num_experts ({num_experts}) must be divisible by the number of ranks ({num_ranks})")
 
 
 def split_x(x: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -135,6 +135,7 @@ class ElasticBuffer:
         self.device = self.backend.device
         self._engine = calls.Engine(self.backend, self.rank_idx, num_ranks, self.num_scaleup_ranks, self.buffer_id)
         self._num_sms_cache: dict[tuple, int] = {}
+        self._room_checked: set[tuple[int, int, int]] = set()   # (T, hidden, top-k) that fit the buffer
         # dispatch's num_sms=0: get_theoretical_num_sms at its default rates (which depends on
         # neither the expert count nor top-k), worked out once for the replays' keys.
         self._default_num_sms = self._theoretical_num_sms(0, 200, 50)
@@ -251,6 +252,15 @@ class ElasticBuffer:
         self.backend.destroy()
         self.runtime = None
 
+    def _check_buffer_room(self, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> None:
+        """InputError unless a dispatch of this (T, hidden, top-k) fits the buffer; the sizes that
+        fit are remembered (the size model reads the node split from the environment)."""
+        key = (num_max_tokens_per_rank, hidden, num_topk)
+        if key not in self._room_checked:
+            checks.check_buffer_room(model.buffer_bytes(self.num_ranks, num_max_tokens_per_rank, hidden, num_topk),
+                                     self.num_bytes - self.num_cpu_bytes, num_max_tokens_per_rank, hidden, num_topk)
+            self._room_checked.add(key)
+
     def _check_alive(self) -> None:
         require(self.runtime is not None, "this ElasticBuffer was destroyed")
 
@@ -343,8 +353,7 @@ class ElasticBuffer:
                                     do_zero_padding, self.num_max_tokens_per_rank, self.num_ranks, self.buffer_id,
                                     self.device)
         num_topk, hidden = call.topk_idx.shape[1], call.x.shape[1]
-        checks.check_buffer_room(model.buffer_bytes(self.num_ranks, call.num_max_tokens_per_rank, hidden, num_topk),
-                                 self.num_bytes - self.num_cpu_bytes, call.num_max_tokens_per_rank, hidden, num_topk)
+        self._check_buffer_room(call.num_max_tokens_per_rank, hidden, num_topk)
         options = calls.Options(
             num_sms=num_sms or self.get_theoretical_num_sms(call.num_experts, num_topk),
             do_zero_padding=do_zero_padding,

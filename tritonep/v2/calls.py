@@ -15,7 +15,7 @@ scope (``runtime/streams.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,14 @@ class Engine:
     num_ranks: int
     num_scaleup_ranks: int
     buffer_id: int
+    configs: dict[int, Config] = field(default_factory=dict)   # per num_sms: the backends only read them
+
+    def config(self, num_sms: int) -> Config:
+        """The engine Config for ``num_sms`` programs, made once per count."""
+        config = self.configs.get(num_sms)
+        if config is None:
+            config = self.configs[num_sms] = Config(num_sms=num_sms)
+        return config
 
 
 @dataclass
@@ -102,7 +110,7 @@ def _engine_dispatch(engine: Engine, call: DispatchCall, weights: torch.Tensor, 
         x=call.x, x_scales=call.scales, topk_idx=call.topk_idx, topk_weights=weights, is_token_in_rank=in_rank,
         num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, num_experts=call.num_experts,
         expert_alignment=call.expert_alignment, num_worst_tokens=num_worst_tokens, cached_handle=None,
-        config=Config(num_sms=num_sms)))
+        config=engine.config(num_sms)))
 
 
 def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
@@ -175,7 +183,7 @@ def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rec
             x=call.x, x_scales=call.scales, topk_idx=None, topk_weights=None,
             is_token_in_rank=engine_handle.is_token_in_rank, num_tokens_per_rank=None, num_tokens_per_expert=None,
             num_experts=0, expert_alignment=call.expert_alignment, num_worst_tokens=0,
-            cached_handle=engine_handle, config=Config(num_sms=options.num_sms)))
+            cached_handle=engine_handle, config=engine.config(options.num_sms)))
         engine_handle.replays.learn((_CACHED_DISPATCH, options.num_sms, call.scales is None), result.replay)
         recv_x, recv_scales = result.recv_x, result.recv_x_scales
     else:
@@ -255,7 +263,7 @@ def combine(engine: Engine, call: CombineCall, num_sms: int,
         slots_of_rank = own_slots(handle) if weights is not None else None
     no_bias = call.bias[0] is None and call.bias[1] is None
     result = engine.backend.combine(CombineRequest(rows, state.engine_handle, weights, call.bias,
-                                                   Config(num_sms=num_sms), slots_of_rank))
+                                                   engine.config(num_sms), slots_of_rank))
     # A replay with weights reads the topk_idx it learnt with; only the handle's own is kept alive.
     if no_bias and (slots_of_rank is None or slots_of_rank.topk_idx is state.topk_idx):
         state.engine_handle.replays.learn((_COMBINE, num_sms, weights is None), result.replay)

@@ -45,8 +45,8 @@ class CombineCall:
 
 
 def check_handle(handle: object, buffer_id: int) -> EPHandle:
-    require(isinstance(handle, EPHandle), f"handle must be an EPHandle from this ElasticBuffer's dispatch, "
-                                          f"got {type(handle).__name__}")
+    if not isinstance(handle, EPHandle):
+        raise InputError(f"handle must be an EPHandle from this ElasticBuffer's dispatch, got {type(handle).__name__}")
     assert isinstance(handle, EPHandle)
     require(handle._state.buffer_id == buffer_id,
             "this EPHandle was made by another ElasticBuffer; pass it only to the buffer that dispatched")
@@ -55,6 +55,8 @@ def check_handle(handle: object, buffer_id: int) -> EPHandle:
 
 def check_stream_args(previous_event: object, previous_event_before_epilogue: object,
                       allocate_on_comm_stream: object) -> None:
+    if previous_event is None and previous_event_before_epilogue is None:   # the usual call: nothing to check
+        return
     for name, event in (("previous_event", previous_event),
                         ("previous_event_before_epilogue", previous_event_before_epilogue)):
         require(event is None or isinstance(event, EventOverlap),
@@ -66,16 +68,21 @@ def check_stream_args(previous_event: object, previous_event_before_epilogue: ob
 
 
 def check_sms_and_qps(num_sms: object, num_qps: object, num_allocated_qps: int) -> None:
+    if type(num_sms) is int and num_sms >= 0 and type(num_qps) is int and 0 <= num_qps <= num_allocated_qps:
+        return   # plain ints in range: the checks below would pass
     require(is_int(num_sms) and num_sms >= 0, f"num_sms must be an int >= 0 (0: automatic), got {num_sms!r}")
     require(is_int(num_qps) and 0 <= num_qps <= num_allocated_qps,
             f"num_qps must be an int in [0, num_allocated_qps={num_allocated_qps}] (0: automatic), got {num_qps!r}")
 
 
 def _check_row_bytes(name: str, tensor: torch.Tensor) -> None:
-    require(tensor.shape[1] > 0, f"{name} must have hidden > 0, got shape {list(tensor.shape)}")
+    # (Messages are formatted only on failure: an f-string passed to ``require`` costs every call.)
+    if tensor.shape[1] <= 0:
+        raise InputError(f"{name} must have hidden > 0, got shape {list(tensor.shape)}")
     row_bytes = tensor.shape[1] * tensor.element_size()
-    require(row_bytes % 16 == 0, f"{name}: a row must be a multiple of 16 bytes (hidden {tensor.shape[1]} of "
-                                 f"{tensor.dtype} is {row_bytes} bytes)")
+    if row_bytes % 16:
+        raise InputError(f"{name}: a row must be a multiple of 16 bytes (hidden {tensor.shape[1]} of "
+                         f"{tensor.dtype} is {row_bytes} bytes)")
 
 
 def split_x(x: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -96,8 +103,30 @@ def split_x(x: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return x, None
 
 
+def _fresh_tensors_fit(x: object, topk_idx: object, topk_weights: object, on_gpu: bool) -> bool:
+    """The usual fresh dispatch's tensors pass every check below: contiguous bf16 x [N, H] with
+    16-byte rows, int64 topk_idx [N, K > 0] and float32 topk_weights [N, K] or None, all on the
+    buffer's kind of device. A few reads in one function; a miss runs the full checks, which
+    say what is wrong."""
+    if type(x) is not torch.Tensor or type(topk_idx) is not torch.Tensor:
+        return False
+    if not ((x.is_cuda and topk_idx.is_cuda) if on_gpu else (x.is_cpu and topk_idx.is_cpu)):
+        return False
+    if (x.dtype is not torch.bfloat16 or topk_idx.dtype is not torch.int64 or x.dim() != 2 or topk_idx.dim() != 2
+            or not x.is_contiguous() or not topk_idx.is_contiguous()):
+        return False
+    num_tokens, hidden = x.shape
+    if topk_idx.shape[0] != num_tokens or topk_idx.shape[1] <= 0 or hidden <= 0 or hidden % 8:   # 8 bf16: 16 bytes
+        return False
+    return topk_weights is None or (
+        type(topk_weights) is torch.Tensor and topk_weights.dtype is torch.float32
+        and topk_weights.shape == topk_idx.shape and (topk_weights.is_cuda if on_gpu else topk_weights.is_cpu)
+        and topk_weights.is_contiguous())
+
+
 def _matches(name: str, given: object, cached: int) -> int:
-    require(given is None or given == cached, f"cached dispatch: {name}={given!r} differs from the handle's {cached}")
+    if not (given is None or given == cached):
+        raise InputError(f"cached dispatch: {name}={given!r} differs from the handle's {cached}")
     return cached
 
 
@@ -106,7 +135,8 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
                   do_expand: object, do_zero_padding: object, default_max_tokens: int, num_ranks: int, buffer_id: int,
                   device: torch.device) -> DispatchCall:
     """A fresh dispatch (``topk_idx`` given) or a cached one (``handle`` given), checked."""
-    data, scales = split_x(x, device)
+    fits = handle is None and _fresh_tensors_fit(x, topk_idx, topk_weights, device.type == "cuda")
+    data, scales = (x, None) if fits else split_x(x, device)   # type: ignore[assignment]
     num_tokens = data.shape[0]
     require(not do_zero_padding or do_expand, "do_zero_padding zeroes the expanded layout's gaps: it needs "
                                               "do_expand=True")
@@ -122,28 +152,30 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
                                            handle.num_max_tokens_per_rank)
         expert_alignment = _matches("expert_alignment", expert_alignment, handle.expert_alignment)
         topk_idx = handle.topk_idx
-        require(num_tokens == topk_idx.shape[0],
-                f"cached dispatch: x has {num_tokens} tokens but the handle was made for {topk_idx.shape[0]}")
+        if num_tokens != topk_idx.shape[0]:
+            raise InputError(f"cached dispatch: x has {num_tokens} tokens but the handle was made for "
+                             f"{topk_idx.shape[0]}")
         do_cpu_sync = False
     else:
         require(topk_idx is not None, "dispatch needs topk_idx (or a handle from an earlier dispatch)")
-        checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
-        assert isinstance(topk_idx, torch.Tensor)
-        require(topk_idx.shape[1] > 0, "topk_idx must have at least one column")
+        if not fits:
+            checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
+            assert isinstance(topk_idx, torch.Tensor)
+            require(topk_idx.shape[1] > 0, "topk_idx must have at least one column")
         require(num_experts is not None, "dispatch without a handle needs num_experts")
         checks.check_num_experts(num_experts, num_ranks)   # type: ignore[arg-type]
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)   # type: ignore[arg-type]
         num_max_tokens_per_rank = default_max_tokens if num_max_tokens_per_rank is None else num_max_tokens_per_rank
-        require(is_int(num_max_tokens_per_rank) and num_max_tokens_per_rank > 0,
-                f"num_max_tokens_per_rank must be a positive int (give it here or to the ElasticBuffer), got "
-                f"{num_max_tokens_per_rank!r}")
+        if not (is_int(num_max_tokens_per_rank) and num_max_tokens_per_rank > 0):
+            raise InputError(f"num_max_tokens_per_rank must be a positive int (give it here or to the ElasticBuffer), "
+                             f"got {num_max_tokens_per_rank!r}")
         expert_alignment = 1 if expert_alignment is None else expert_alignment
-        require(is_int(expert_alignment) and expert_alignment >= 1,
-                f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if not (is_int(expert_alignment) and expert_alignment >= 1):
+            raise InputError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
-    require(num_tokens <= num_max_tokens_per_rank,   # type: ignore[operator]
-            f"x has {num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
-    if topk_weights is not None:
+    if num_tokens > num_max_tokens_per_rank:   # type: ignore[operator]
+        raise InputError(f"x has {num_tokens} tokens, more than num_max_tokens_per_rank={num_max_tokens_per_rank}")
+    if topk_weights is not None and not fits:
         checks.check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape),
                             device=device)
     if stats is not None:

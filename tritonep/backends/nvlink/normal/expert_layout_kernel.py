@@ -225,15 +225,51 @@ def expert_layout_kernel(
 
 
 # Per call the tensors and the sizes change; this rank and the shape (ranks, T, top-k, experts,
-# options) are the setup, which fixes the grid.
-_EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=(
-    "exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr", "stats_ptr",
-    "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr", "other_slots_ptr",
-    "topk_copy_ptr", "slots_ptr", "source_ptr", "expanded_weights_ptr", "num_rows", "num_tokens", "num_expanded",
-    "alignment", "has_stats", "copy_topk"))
+# options) are the setup, which fixes the grid. Without the expanded layout its three outputs
+# are the engine's placeholders and num_expanded is 0, fixed by the setup (whose launch
+# generation names the engine): that launcher converts four arguments fewer per call.
+_CHANGING = ("exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr",
+             "stats_ptr", "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr",
+             "other_slots_ptr", "topk_copy_ptr", "num_rows", "num_tokens", "alignment", "has_stats", "copy_topk")
+_EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=_CHANGING)
+_EXPERT_LAYOUT_EXPANDED = FastLauncher(expert_layout_kernel, changing=_CHANGING + (
+    "slots_ptr", "source_ptr", "expanded_weights_ptr", "num_expanded"))
 
 BLOCK_ROWS = BLOCK_TOKENS = BLOCK_SLOTS = 256
 EXPERT_GROUP = 8   # local experts per slot program: each walks its source's rows once for all of them
+
+
+class _LayoutShape:
+    """What every launch of one setup shares, worked out on its first call: the grid, the
+    per-shape integer arguments and the constexprs."""
+
+    __slots__ = ("grid", "fixed_args", "constants")
+
+    def __init__(self, grid: int, fixed_args: tuple, constants: dict) -> None:
+        self.grid, self.fixed_args, self.constants = grid, fixed_args, constants
+
+    @staticmethod
+    def make(rank: int, num_ranks: int, T: int, num_topk: int, experts_per_rank: int, num_scaleup: int,
+             expand: bool) -> _LayoutShape:
+        # The grid is fixed by the shape: a rank receives at most R * T rows (programs stride over
+        # more, should there be); one slot program per (source, group of local experts).
+        row_programs = max(-(-num_ranks * T // BLOCK_ROWS), 1)
+        token_programs = max(-(-T // BLOCK_TOKENS), 1)
+        group = min(EXPERT_GROUP, next_power_of_2(experts_per_rank))
+        groups = -(-experts_per_rank // group)
+        grid = 1 + row_programs + token_programs + (num_ranks * groups if expand else 0)
+        fixed_args = (rank, experts_per_rank, T, row_programs, token_programs,
+                      source_expert_word(num_ranks, experts_per_rank))
+        constants = dict(NUM_RANKS=num_ranks, RANKS_PAD=next_power_of_2(num_ranks), SCALEUP_RANKS=num_scaleup,
+                         SCALEUP_PAD=next_power_of_2(num_scaleup), NUM_TOPK=num_topk,
+                         TOPK_PAD=next_power_of_2(num_topk), EXPERTS_PAD=next_power_of_2(experts_per_rank),
+                         EXPERT_GROUP=group, BLOCK_ROWS=BLOCK_ROWS, BLOCK_TOKENS=BLOCK_TOKENS,
+                         BLOCK_SLOTS=BLOCK_SLOTS, EXPAND=expand)
+        return _LayoutShape(grid, fixed_args, constants)
+
+
+# Per setup key (the launcher's, launch generation first: a retuned engine gets new entries).
+_SHAPES: dict[tuple, _LayoutShape] = {}
 
 
 def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos: torch.Tensor, rank: int,
@@ -271,16 +307,13 @@ def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos
         slots = torch.empty(num_rows, num_topk, dtype=torch.int32, device=device)
         source = torch.empty(num_expanded, dtype=torch.int32, device=device)
         weights = torch.empty(num_expanded, dtype=torch.float32, device=device)
-    # The grid is fixed by the shape: a rank receives at most R * T rows (programs stride over
-    # more, should there be); one slot program per (source, group of local experts).
-    row_programs = max(-(-num_ranks * T // BLOCK_ROWS), 1)
-    token_programs = max(-(-T // BLOCK_TOKENS), 1)
-    group = min(EXPERT_GROUP, next_power_of_2(experts_per_rank))
-    groups = -(-experts_per_rank // group)
-    grid = 1 + row_programs + token_programs + (num_ranks * groups if expand else 0)
+    setup = (launch_generation, rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand)
+    shape = _SHAPES.get(setup)
+    if shape is None:
+        shape = _SHAPES[setup] = _LayoutShape.make(rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand)
     stats, int32 = request.stats, placeholders(torch.int32)
-    _EXPERT_LAYOUT(
-        grid, (launch_generation, rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand),
+    (_EXPERT_LAYOUT_EXPANDED if expand else _EXPERT_LAYOUT)(
+        shape.grid, setup,
         # The kernel's argument groups, in its order.
         (exchange, send_pos, handle.recv_src_idx, recv_idx, request.recv_topk_weights, request.topk_idx,
          stats if stats is not None else int32,
@@ -289,11 +322,7 @@ def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos
          slots if slots is not None else int32, source if source is not None else int32,
          weights if weights is not None else placeholders(torch.float32),
          num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
-         int(topk_copy is not None),
-         rank, experts_per_rank, T, row_programs, token_programs, source_expert_word(num_ranks, experts_per_rank)),
-        lambda: dict(NUM_RANKS=num_ranks, RANKS_PAD=next_power_of_2(num_ranks), SCALEUP_RANKS=num_scaleup,
-                     SCALEUP_PAD=next_power_of_2(num_scaleup), NUM_TOPK=num_topk, TOPK_PAD=next_power_of_2(num_topk),
-                     EXPERTS_PAD=next_power_of_2(experts_per_rank), EXPERT_GROUP=group, BLOCK_ROWS=BLOCK_ROWS,
-                     BLOCK_TOKENS=BLOCK_TOKENS, BLOCK_SLOTS=BLOCK_SLOTS, EXPAND=expand), 4)
+         int(topk_copy is not None), *shape.fixed_args),
+        shape.constants, 4)
     return ExpertLayout(counts, psum_expert, psum_scaleup, metadata, dst, other_slots,
                         topk_copy if topk_copy is not None else request.topk_idx, slots, source, weights)
