@@ -58,13 +58,14 @@ run() {
   [ "$rc" -eq 0 ] || { echo "== $name: exit $rc"; status=1; }
 }
 
+# -v names each test as it starts, so a log cut by the time limit says which one was running;
 # --durations also prints where the batched cases' time went; the kernels each run compiled are
 # listed in $OUT (kept as tests/gpu_kernels.jsonl, later runs compile them ahead: tests/kernel_cache.py).
 gpu_tests() {
   for ranks in ${TEST_RANKS:-$GPUS}; do
     TRITONEP_GPU_RANKS=$ranks TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
       TRITONEP_TEST_KERNELS_OUT="$OUT/gpu_kernels_$ranks.jsonl" \
-      run "gpu_tests_$ranks${TEST_TAG:-}" "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rf -p no:cacheprovider \
+      run "gpu_tests_$ranks${TEST_TAG:-}" "${TEST_TIMEOUT:-300}" python3 -m pytest -v -m gpu -rf -p no:cacheprovider \
       --durations=40 ${TESTS:-tests} ${TEST_FILTER:+-k "$TEST_FILTER"}
   done
 }
