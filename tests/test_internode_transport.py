@@ -143,6 +143,48 @@ def test_missing_nvshmem_names_what_to_install(monkeypatch: pytest.MonkeyPatch) 
         memory.choose_transport()
 
 
+@triton.jit
+def _hook_probe_a(x_ptr):
+    tl.store(x_ptr, 1)
+
+
+@triton.jit
+def _hook_probe_b(x_ptr):
+    tl.store(x_ptr, 2)
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_nvshmem_wrap_keeps_an_earlier_post_compile_hook(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch's ``requires_nvshmem`` puts its NVSHMEM module set-up in Triton's post-compile hook
+    in place of any hook set before; ``nvshmem_kernel`` chains the two, once however many kernels
+    it wraps. Wrapping needs only the device library's path (an empty file stands in for it;
+    nothing is compiled), but torch defines ``requires_nvshmem`` only in its CUDA builds."""
+    from torch.distributed._symmetric_memory import _nvshmem_triton
+
+    from tritonep.device import nvshmem
+
+    (tmp_path / "libnvshmem_device.bc").write_bytes(b"")
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(tmp_path))
+    monkeypatch.setattr(_nvshmem_triton.NvshmemLibFinder, "found_device_lib_path", None)
+    monkeypatch.setattr(nvshmem, "_NVSHMEM_KERNELS", {})
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kwargs: seen.append(kwargs["key"]))
+    try:
+        nvshmem.nvshmem_kernel(_hook_probe_a)
+        chain = triton.knobs.runtime.jit_post_compile_hook
+        nvshmem.nvshmem_kernel(_hook_probe_b)
+        assert triton.knobs.runtime.jit_post_compile_hook is chain, "a second wrap must keep the one chain"
+    finally:
+        for kernel in (_hook_probe_a, _hook_probe_b):
+            _nvshmem_triton.NvshmemKernelRegistry.deregister(kernel.fn.__name__)
+
+    class Compiled:   # what torch's set-up reads of a compile: a kernel it was not asked to set up
+        jit_function = _hook_probe_a
+
+    chain(fn=Compiled(), key="k", compile={"device": 0})
+    assert seen == ["k"]
+
+
 def _skip_shared_gpus(pool) -> None:
     if pool.num_ranks > torch.cuda.device_count():
         pytest.skip("NVSHMEM refuses ranks sharing a GPU; the plain-stores tests cover them")

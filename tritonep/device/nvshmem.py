@@ -99,6 +99,28 @@ def nvshmem_kernel(kernel: triton.runtime.JITFunction):
     (``kernel[grid](...)``, ``warmup``) and keeps its ``arg_names`` (``runtime/launcher.py``)."""
     wrapped = _NVSHMEM_KERNELS.get(kernel)
     if wrapped is None:
+        earlier_hook = triton.knobs.runtime.jit_post_compile_hook
         wrapped = _NVSHMEM_KERNELS[kernel] = _torch_nvshmem.requires_nvshmem(kernel)
         wrapped.arg_names = kernel.arg_names
+        _keep_post_compile_hook(earlier_hook)
     return wrapped
+
+
+def _keep_post_compile_hook(earlier_hook) -> None:
+    """``requires_nvshmem`` sets Triton's post-compile hook to torch's NVSHMEM module set-up,
+    dropping whatever hook was there (a user's, a profiler's, the tests' kernel list). Put back
+    a hook that runs torch's set-up, then the earlier hook. Torch's set-up runs once per compile:
+    a later wrap finds the chain as the earlier hook and restores it as it is."""
+    nvshmem_setup = triton.knobs.runtime.jit_post_compile_hook
+    if earlier_hook is None or earlier_hook is nvshmem_setup:
+        return
+    if getattr(earlier_hook, "runs_nvshmem_setup", False):
+        triton.knobs.runtime.jit_post_compile_hook = earlier_hook
+        return
+
+    def both(**kwargs):
+        nvshmem_setup(**kwargs)
+        return earlier_hook(**kwargs)
+
+    both.runs_nvshmem_setup = True
+    triton.knobs.runtime.jit_post_compile_hook = both
