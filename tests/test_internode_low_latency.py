@@ -263,7 +263,10 @@ def test_gpu_transport_cuda_graph_replay(transport_pool, masked: bool) -> None:
 
 @pytest.mark.gpu(min_gpus=2)
 def test_gpu_transport_race_loop(transport_pool) -> None:
-    """20 random cases back to back (sizes, options, hooks) at each transport setting."""
+    """20 random cases back to back (sizes, options, hooks) at each transport setting. The
+    shapes the kernels are specialised on (hidden, top-k, experts) stay DeepEP's: this loop checks
+    the transport's waits and releases across calls, and each new specialisation is an NVSHMEM
+    compile of seconds; the plain-stores race loop (``test_gpu_race_loop``) varies them."""
     import random
 
     rng = random.Random(8)
@@ -273,10 +276,10 @@ def test_gpu_transport_race_loop(transport_pool) -> None:
             T = rng.choice([1, 16, 128])
             use_fp8 = rng.random() < 0.6
             case = LowLatencyCase(
-                seed=700 + i, tokens=tuple(rng.randint(0, T) for _ in range(R)), T=T,
-                hidden=rng.choice([2048, 7168]), num_experts=R * rng.choice([4, 36]), num_topk=rng.choice([1, 8]),
-                use_fp8=use_fp8, round_scale=use_fp8 and rng.random() < 0.5, hook=rng.random() < 0.5,
-                zero_copy=rng.random() < 0.3, routing=rng.choice(["random", "skewed", "one_expert"]), calls=2)
+                seed=700 + i, tokens=tuple(rng.randint(0, T) for _ in range(R)), T=T, hidden=7168,
+                num_experts=R * 8, num_topk=8, use_fp8=use_fp8, round_scale=use_fp8 and rng.random() < 0.5,
+                hook=rng.random() < 0.5, zero_copy=rng.random() < 0.3,
+                routing=rng.choice(["random", "skewed", "one_expert"]), calls=2)
             problems = _on_transport(transport_pool, ranks_per_node, allow_nvlink, "compare_low_latency", case)
             assert all(not p for p in problems), f"{case} at {ranks_per_node} per node, nvlink {allow_nvlink}: " \
                                                  f"{problems}"
