@@ -67,13 +67,13 @@ def environment(settings: dict[str, str]) -> Iterator[None]:
 
 
 def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | None = None,
-                **kwargs) -> deep_ep.Buffer:
+               **kwargs) -> deep_ep.Buffer:
     """A Buffer on ``backend`` (``TRITONEP_BACKEND``), with ``env`` set while it is built."""
     with environment({"TRITONEP_BACKEND": backend, **(env or {})}):
         return deep_ep.Buffer(group, **kwargs)
 
 
-def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
+def shared_buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, deep_ep.Buffer]:
     """Build (once per pool) the NVLink buffer and a CPU-backend buffer on the oracle's gloo group."""
     if "nvlink" not in _state or _state["nvl_bytes"] < nvl_bytes:
         _state.pop("nvlink", None)   # the old Buffer's memory goes before the new one is made
@@ -85,7 +85,7 @@ def _buffers(group: dist.ProcessGroup, nvl_bytes: int) -> tuple[deep_ep.Buffer, 
 
 
 def release_buffers(group: dist.ProcessGroup) -> None:
-    """Drop the Buffers ``_buffers`` keeps on this rank (the next call makes new ones)."""
+    """Drop the Buffers ``shared_buffers`` keeps on this rank (the next call makes new ones)."""
     _state.clear()
 
 
@@ -281,7 +281,7 @@ def compare_cases(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int = 
     """The mismatches on this rank of each case (empty when the backends agree), and each
     case's timings (``case_batches.run_batch``). ``tuning``: changes to the NVLink backend's
     ``Tuning`` for these cases (kernel shapes, paths)."""
-    nvlink, cpu = _buffers(group, nvl_bytes)
+    nvlink, cpu = shared_buffers(group, nvl_bytes)
     rank, num_ranks = group.rank(), group.size()
 
     def oracle(case: Case) -> tuple[dict, dict]:
@@ -384,7 +384,7 @@ def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) 
     first, so the refused one launches its receive half before the read-back; it must stand
     down, and round trips after it must be exact. Returns (the message, whether they were).
     """
-    nvlink, _ = _buffers(group, nvl_bytes)
+    nvlink, _ = shared_buffers(group, nvl_bytes)
     # Every step runs on every rank whatever an earlier one gave (the steps are collective).
     checks = [round_trip(nvlink, 64, 256, seed=1)[1]]
     topk_idx = torch.randint(0, 4 * group.size(), (64, 2), device=nvlink.device)
@@ -425,7 +425,7 @@ def fresh_dispatch_sequence(group: dist.ProcessGroup, seed: int, calls: int, nvl
     and the routing random, skewed or all to rank 0 per call: the outputs' guess from the
     previous call fits, overflows or is far too large in turn. Returns the calls whose round
     trip was not exact or whose staging accounting was off (empty: all good)."""
-    nvlink, _ = _buffers(group, nvl_bytes)
+    nvlink, _ = shared_buffers(group, nvl_bytes)
     failures = []
     for call in range(calls):
         rng = random.Random(seed * 1000 + call)   # the same choices on every rank
@@ -444,7 +444,7 @@ def fresh_dispatch_storage_rows(group: dist.ProcessGroup, token_counts: tuple[in
     by a combine. Returns, per call, (rows received, rows of the storage behind recv_x, whether
     the combine restored the input, whether staging was released exactly): larger storage
     means the outputs were allocated before the counts came back, from a guess."""
-    nvlink, _ = _buffers(group, nvl_bytes)
+    nvlink, _ = shared_buffers(group, nvl_bytes)
     rows = []
     for call, num_tokens in enumerate(token_counts):
         recv_x, exact = round_trip(nvlink, num_tokens, 128, seed=50 + call)
@@ -458,7 +458,7 @@ def fresh_dispatch_in_graph_error(group: dist.ProcessGroup, nvl_bytes: int = 1 <
     the capture never produces); the Buffer then still dispatches outside the capture.
     Returns (the message, whether the dispatch after it received what the CPU backend receives
     from the same inputs)."""
-    nvlink, cpu = _buffers(group, nvl_bytes)
+    nvlink, cpu = shared_buffers(group, nvl_bytes)
     num_experts = 4 * group.size()
     topk_idx = torch.randint(0, num_experts, (32, 2), device=nvlink.device)
     x = torch.randn(32, 128, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)
@@ -484,7 +484,7 @@ def fresh_dispatch_in_graph_error(group: dist.ProcessGroup, nvl_bytes: int = 1 <
 def padding_overflow_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 22) -> str:
     """num_worst_tokens smaller than what arrives: that dispatch cannot raise (it never syncs),
     so the next call must raise on every rank, before any communication."""
-    nvlink, _ = _buffers(group, nvl_bytes)
+    nvlink, _ = shared_buffers(group, nvl_bytes)
     num_experts = 4 * group.size()
     topk_idx = torch.tensor([[0, 1]] * 8, device=nvlink.device)   # every rank sends 8 tokens to rank 0
     x = torch.randn(8, 128, device=nvlink.device, dtype=torch.float32).to(torch.bfloat16)

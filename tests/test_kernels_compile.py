@@ -138,7 +138,8 @@ def test_combine_kernel_compiles(has_weights: bool, own_slots: bool, has_bias: b
              else BF16, num_tokens=4096, hidden=7168, peer_base_ptrs=I64, staging_x=1 << 30,
              staging_weights=(1 << 30) + (1 << 27), capacity=8192, rank=1, epoch=7, released_target=72, status_ptr=I64,
              timeout_ns=60 * 10**9),
-        dict(TAIL_WORD=2 + 2 * 160 + 2, DONE_WORD=2 + 4 * 160 + 2, MAX_CHANNELS=160, NUM_RANKS=num_ranks,
+        dict(TAIL_WORD=2 + 2 * 160 + 2 if senders else 2 + 4 * 160 + 4, TAIL_STRIDE=160 if senders else 1,
+             DONE_WORD=2 + 4 * 160 + 2, FINISHED_WORD=2 + 4 * 160 + 6, NUM_RANKS=num_ranks,
              RANKS_PAD=_pow2(num_ranks), NUM_SENDERS=senders, NUM_REDUCERS=24 - senders, HAS_WEIGHTS=has_weights,
              OWN_SLOTS=own_slots, NUM_TOPK=8, TOPK_PAD=8, HAS_BIAS0=has_bias, HAS_BIAS1=has_bias,
              NUM_CHANNELS=senders or 8, ROWS=8, COPY_BLOCK=2048, BLOCK=2048, TOKENS=4, STAGE=32, SIGNAL_EVERY=4),
@@ -147,7 +148,7 @@ def test_combine_kernel_compiles(has_weights: bool, own_slots: bool, has_bias: b
 
 def test_combine_piece_signal_kernel_compiles() -> None:
     compile_for_hopper(combine_piece_signal_kernel,
-                       dict(peer_base_ptrs=I64, peer=1, tail_index=420, value=(9 << 32) + 250), {})
+                       dict(peer_base_ptrs=I64, peer=1, tail_index=420, value=250), {})
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 8])

@@ -15,6 +15,7 @@ import random
 
 import pytest
 from case_batches import check_batch
+from combine_graph_cases import combine_host_calls, graph_combines
 from nvlink_cases import (
     Case,
     compare_cases,
@@ -255,3 +256,29 @@ def test_gpu_low_latency_only_buffer(gpu_pool) -> None:
     results = gpu_pool.run(low_latency_only_buffer)
     assert all(ok for ok, _ in results), results
     assert all("needs num_nvl_bytes > 0" in message for _, message in results), results
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_combine_graphs_match_cpu_backend(gpu_pool) -> None:
+    """Replayed combines whose copy-engine side work is a captured graph: an input changed in
+    place between calls, inputs at changing addresses (more than a replay keeps graphs for) and
+    back, with and without top-k weights, each against the CPU backend."""
+    failures = gpu_pool.run(graph_combines)
+    assert not any(failures), failures
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_replayed_combine_host_calls(gpu_pool) -> None:
+    """A combine repeated with the same input issues its side work as one graph launch: six
+    CUDA calls in all (the fork's event record and wait, the graph, its done event, the
+    reduction kernel, the join's wait), no copy or stream write of its own; the same replay on
+    an input at a new address issues the weights kernel, the fork and a copy and a tail write
+    per piece (two or more per peer), which shows that the profiler sees driver calls."""
+    if gpu_pool.num_ranks < 2:
+        pytest.skip("one rank sends no rows over the copy engines")
+    for calls in gpu_pool.run(combine_host_calls):
+        graph, ops = calls["graph"], calls["ops"]
+        assert sum(name.startswith("cuGraphLaunch") for name in graph) == 1 and len(graph) <= 6, calls
+        assert not any("Memcpy" in name or "WriteValue" in name for name in graph), calls
+        assert sum("Memcpy" in name for name in ops) >= gpu_pool.num_ranks - 1, calls
+        assert len(ops) >= len(graph) + 2 * (gpu_pool.num_ranks - 1), calls

@@ -49,16 +49,24 @@ class SignalLayout:
         return self.dispatch_tail + self.num_ranks * MAX_CHANNELS
 
     @property
-    def combine_tail(self) -> int:
+    def combine_tail(self) -> int:         # [R, C]: as dispatch_tail, for the SM senders of combine
         return self.dispatch_done + self.num_ranks
 
     @property
-    def combine_done(self) -> int:
+    def combine_done(self) -> int:         # [R]: as dispatch_done, for combine's reducer programs
         return self.combine_tail + self.num_ranks * MAX_CHANNELS
 
     @property
-    def notify_payload(self) -> int:       # int32 [2 parities, R sources, payload_words]
+    def combine_copy_tail(self) -> int:    # [R]: rows copied so far by source s (copy engines), 0 between calls
         return self.combine_done + self.num_ranks
+
+    @property
+    def combine_copy_finished(self) -> int:   # [1]: this rank's reducers past their last wait, this call
+        return self.combine_copy_tail + self.num_ranks
+
+    @property
+    def notify_payload(self) -> int:       # int32 [2 parities, R sources, payload_words]
+        return self.combine_copy_finished + 1
 
     @property
     def payload_words(self) -> int:        # int32 words: counts per rank, local-expert counts, signature

@@ -13,9 +13,9 @@ round by round: the first piece of every peer, then the second of every peer, an
 copy engines run one peer copy at a time anyway, and in this order each rank receives the
 first rows of every peer early, so its reducers start while the rest is on the wire; the last
 round is the smallest, so the reduction that trails the last copy is short. After each piece
-the stream publishes ``(epoch << 32) | rows so far`` in the peer's tail word for this rank:
-exactly what one SM sender of ``combine_kernel`` publishes for its channel, so the reduction is
-``combine_kernel`` itself with no sender programs and one channel per peer. Its reducers wait
+the stream publishes the rows so far in the peer's copy tail word for this rank
+(``SignalLayout.combine_copy_tail``, which the peer sets back to 0 after each call), so the
+reduction is ``combine_kernel`` itself with no sender programs and one channel per peer. Its reducers wait
 per stage of tokens for the rows the stage needs, and take the stages interleaved (stage i on
 program i % P), so that every program follows the front of arriving rows. The top-k weights (a
 few bytes per row) go to all peers in one small kernel on the caller's stream
@@ -35,6 +35,13 @@ grow in number, so that the host's issue stays well under the copies' own time.
 ``CombineCopier`` is that side work for one engine: the general path and the combine's replay
 (``replay.py``) both call it.
 
+Graphs: a combine repeated with one handle and the same ``x`` (and top-k weights) issues the
+same side work every call, down to the addresses and tail values, so the replay captures it
+once as a CUDA graph (``CombineCopier.capture``: the weights kernel on a branch, the pieces and
+tail writes on the side stream) and forks that graph instead: four driver calls in place of the
+weights kernel, two per piece and the fork's own. Tail values without the epoch are what make
+the work repeat exactly.
+
 Staging reuse: the reduction's last program waits until every peer's reducers finished the
 call (``combine_kernel.release_staging``), and the next combine's weights kernel and copies
 start only after that kernel on the caller's stream, so neither overwrites rows or weights a
@@ -49,13 +56,14 @@ from typing import Any
 import torch
 import triton.language as tl
 
-from tritonep.backends.nvlink.memory import MAX_CHANNELS, SymmetricBuffer
+from tritonep.backends.nvlink.memory import SymmetricBuffer
 from tritonep.device.rows import block_count, block_start
 from tritonep.device.signals import fence_system, publish
 from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher, current_stream
 from tritonep.runtime.platform import GPU_KERNELS
-from tritonep.runtime.side_streams import PeerStreams
+from tritonep.runtime.side_streams import PeerStreams, driver_result
+from tritonep.runtime.streams import set_stream
 
 
 @kernel_names.jit("tritonep::intranode::piece_signal",
@@ -161,9 +169,9 @@ class CombineCopier:
         self.weights_done = torch.cuda.Event() if memory.local.device.type == "cuda" else None
 
     def fork(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
-             rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int, epoch: int) -> None:
-        """Start combine ``epoch``'s side work: ``copies`` from ``combine_copies``, ``regions``
-        the combine's staging regions (x, weights), ``pieces`` per peer."""
+             rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> None:
+        """Start a combine's side work: ``copies`` from ``combine_copies``, ``regions`` the
+        combine's staging regions (x, weights), ``pieces`` per peer."""
         if not copies:   # no rows go to a peer (one rank, or all stay here): nothing to send
             return
         memory = self.memory
@@ -175,9 +183,44 @@ class CombineCopier:
             if self.weights_done is not None:
                 weights_done = self.weights_done
                 weights_done.record()   # on the current stream
-        self.streams.fork([combine_copy_job(
-            x, copies, memory.peers, memory.peer_base_ptrs, regions[0], memory.signals.combine_tail, self.rank, epoch,
-            pieces, self.piece_ratio, weights_done, self.owner, self.driver)], after=start)
+        self.streams.fork([self._job(x, copies, regions, pieces, weights_done)], after=start)
+
+    def _job(self, x: torch.Tensor, copies: list[tuple[int, int, int, int]], regions: list[int], pieces: int,
+             weights_done: torch.cuda.Event | None) -> Callable[[], None]:
+        memory = self.memory
+        return combine_copy_job(x, copies, memory.peers, memory.peer_base_ptrs, regions[0],
+                                memory.signals.combine_copy_tail + self.rank, pieces, self.piece_ratio, weights_done,
+                                self.owner, self.driver)
+
+    @property
+    def captures(self) -> bool:
+        """Whether ``capture`` can make graphs here (the driver path on a GPU)."""
+        return self.driver is not None and self.streams.driver is not None
+
+    def capture(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
+                rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> Any:
+        """``fork``'s side work with these tensors, captured as a graph for
+        ``streams.fork_graph`` (nothing runs): the weights kernel on a branch of the side
+        stream, beside the first copy; the first tail write waits for it."""
+        memory = self.memory
+
+        def body(branch: torch.cuda.Stream) -> None:
+            weights_done = None
+            if topk_weights is not None:
+                side = torch.cuda.current_stream()
+                start = torch.cuda.Event()
+                start.record(side)
+                branch.wait_event(start)
+                set_stream(branch)
+                try:
+                    push_combine_weights(topk_weights, rank_prefix_matrix, memory.peer_base_ptrs, regions[1],
+                                         self.rank, self.num_ranks, self.owner)
+                finally:
+                    set_stream(side)
+                weights_done = torch.cuda.Event()
+                weights_done.record(branch)
+            self._job(x, copies, regions, pieces, weights_done)()
+        return self.streams.capture(body)
 
 
 def driver_memory_operations(device: torch.device) -> Any:
@@ -197,26 +240,20 @@ def driver_memory_operations(device: torch.device) -> Any:
     return driver
 
 
-def _check(result: tuple, what: str) -> None:
-    if result[0] != 0:   # CUresult.CUDA_SUCCESS
-        raise RuntimeError(f"combine's {what} failed: {result[0]!r}")
-
-
 def combine_copy_job(x: torch.Tensor, copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor],
-                     peer_base_ptrs: torch.Tensor, staging_x: int, tail_word: int, rank: int, epoch: int,
-                     pieces: int, piece_ratio: float, weights_done: torch.cuda.Event | None, owner: object,
-                     driver: Any = None) -> Callable[[], None]:
+                     peer_base_ptrs: torch.Tensor, staging_x: int, tail_index: int, pieces: int, piece_ratio: float,
+                     weights_done: torch.cuda.Event | None, owner: object, driver: Any = None) -> Callable[[], None]:
     """The side stream's job: every peer's block of ``x`` in ``pieces`` copies (``piece_ends``),
     round by round over the peers, each copy followed by its tail word; the first tail word
     waits for ``weights_done`` (the weights kernel, when there is one).
 
-    ``copies`` lists ``(peer, first row in x, rows, first row in the peer's staging)``.
+    ``copies`` lists ``(peer, first row in x, rows, first row in the peer's staging)``;
+    ``tail_index``: this rank's copy tail word in every peer's signal area.
     ``owner``: a key that stands for ``peer_base_ptrs`` (equal keys, equal tensors).
     ``driver``: from ``driver_memory_operations``, or None for torch's copies and the kernel.
     """
     make = _driver_piece if driver is not None else _torch_piece
-    move_piece = make(driver, x, peers, peer_base_ptrs, staging_x, tail_word + rank * MAX_CHANNELS, epoch << 32,
-                      owner)
+    move_piece = make(driver, x, peers, peer_base_ptrs, staging_x, tail_index, owner)
     ends = [piece_ends(count, pieces, piece_ratio) for _, _, count, _ in copies]
 
     def run() -> None:
@@ -234,13 +271,13 @@ def combine_copy_job(x: torch.Tensor, copies: list[tuple[int, int, int, int]], p
 
 
 # A piece mover: ``(stream, peer, first row in x, first row in the peer's staging, rows, rows so
-# far)`` copies the piece's rows into the peer's staging, then publishes ``stamp + rows so far``
-# in the peer's tail word ``tail_index`` for this rank.
+# far)`` copies the piece's rows into the peer's staging, then publishes the rows so far in the
+# peer's tail word ``tail_index``.
 PieceMover = Callable[[int, int, int, int, int, int], None]
 
 
 def _torch_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
-                 staging_x: int, tail_index: int, stamp: int, owner: object) -> PieceMover:
+                 staging_x: int, tail_index: int, owner: object) -> PieceMover:
     """torch's copy of the rows, then the one-program signal kernel."""
     row_bytes = x.shape[1] * x.element_size()
     x_bytes = x.view(torch.uint8).view(-1)
@@ -248,12 +285,12 @@ def _torch_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_b
     def move(stream: int, peer: int, src_row: int, dst_row: int, rows: int, so_far: int) -> None:
         peers[peer].narrow(0, staging_x + dst_row * row_bytes, rows * row_bytes).copy_(
             x_bytes.narrow(0, src_row * row_bytes, rows * row_bytes), non_blocking=True)
-        _SIGNAL(1, owner, (peer_base_ptrs, peer, tail_index, stamp + so_far), {}, 1)
+        _SIGNAL(1, owner, (peer_base_ptrs, peer, tail_index, so_far), {}, 1)
     return move
 
 
 def _driver_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
-                  staging_x: int, tail_index: int, stamp: int, owner: object) -> PieceMover:
+                  staging_x: int, tail_index: int, owner: object) -> PieceMover:
     """Through the driver: the rows' copy, then the tail word written by the stream itself (it
     fences the copy before the write)."""
     row_bytes = x.shape[1] * x.element_size()
@@ -262,9 +299,10 @@ def _driver_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_
 
     def move(stream: int, peer: int, src_row: int, dst_row: int, rows: int, so_far: int) -> None:
         base = bases[peer]
-        _check(driver.cuMemcpyDtoDAsync(base + staging_x + dst_row * row_bytes, x_address + src_row * row_bytes,
-                                        rows * row_bytes, stream), "row copy")
-        _check(driver.cuStreamWriteValue64(stream, base + tail_index * 8, stamp + so_far, 0), "tail write")
+        driver_result(driver.cuMemcpyDtoDAsync(base + staging_x + dst_row * row_bytes,
+                                               x_address + src_row * row_bytes, rows * row_bytes, stream),
+                      "combine's row copy")
+        driver_result(driver.cuStreamWriteValue64(stream, base + tail_index * 8, so_far, 0), "combine's tail write")
     return move
 
 

@@ -14,10 +14,18 @@ of token t from rank r at ``offset[r] + send_pos[t, r]``).
   let reduction overlap the transfer.
 
 With ``NUM_SENDERS == 0`` the rows come from the copy engines instead
-(``combine_copy_engine.py``): each peer's block arrives in ``NUM_CHANNELS`` pieces in token
-order, so the reducers take stages interleaved (stage i on program i % P) to follow the
-arriving front. SM senders fill all their channels at once, so there each reducer owns one
-contiguous range of tokens, about one channel's worth.
+(``combine_copy_engine.py``): each peer's block arrives in pieces in token order, so the
+reducers take stages interleaved (stage i on program i % P) to follow the arriving front. SM
+senders fill all their channels at once, so there each reducer owns one contiguous range of
+tokens, about one channel's worth.
+
+Tail words: an SM sender publishes ``(epoch << 32) | rows so far`` in its channel's word, so
+the words never go back. The copy engines' pieces publish plain ``rows so far`` in a word per
+source of their own (``SignalLayout.combine_copy_tail``): the same values every call, so that a
+call's copies and writes can be captured once as a CUDA graph and replayed. The receiver sets
+those words back to 0 once all its reducers are past their last wait, before they release the
+staging to the peers, and no peer writes the next call's values before that release
+(``clear_copy_tails``).
 
 As in dispatch, a sender waits for the destination's reducers to finish the previous call
 before overwriting its staging rows (``combine_done`` reaching ``released_target``).
@@ -29,7 +37,7 @@ import triton
 import triton.language as tl
 
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
-from tritonep.device.signals import add_release, publish, wait_at_least
+from tritonep.device.signals import add_release, last_program_done, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_COMBINE_DATA, PHASE_COMBINE_SLOT
 from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher
@@ -64,7 +72,7 @@ def combine_kernel(
     # Status: where a wait that gives up reports (pinned host memory), and after how long.
     status_ptr, timeout_ns,
     # Signal words, program roles, row fields, tile shape.
-    TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
+    TAIL_WORD: tl.constexpr, TAIL_STRIDE: tl.constexpr, DONE_WORD: tl.constexpr, FINISHED_WORD: tl.constexpr,
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_REDUCERS: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr, OWN_SLOTS: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
     HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
@@ -75,6 +83,8 @@ def combine_kernel(
     my_base = tl.load(peer_base_ptrs + rank)
     my_signals = my_base.to(tl.pointer_type(tl.int64))
     stamp = epoch.to(tl.int64) << 32
+    if NUM_SENDERS == 0:   # the copy engines' tail words hold plain row counts (module docstring)
+        stamp = stamp * 0
     ranks = tl.arange(0, RANKS_PAD)
     if pid < NUM_SENDERS:
         # Sender pid moves channel pid of the block returning to every peer, one tile to each
@@ -114,7 +124,7 @@ def combine_kernel(
                         copy_rows(weights_ptr, start + rows, NUM_TOPK, 1, dst_weights, dst_rows, mask, NUM_TOPK, 16,
                                   False)
                     if (tiles % SIGNAL_EVERY == 0) | (row0 + ROWS >= hi):
-                        tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid
+                        tail = peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * TAIL_STRIDE + pid
                         publish(tail, stamp + tl.minimum(row0 + ROWS, hi) - lo)
     else:
         reducer = pid - NUM_SENDERS
@@ -128,11 +138,13 @@ def combine_kernel(
         for stage0 in range(t_lo, t_hi, stride):
             stage1 = tl.minimum(stage0 + STAGE, t_hi)
             _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, stamp, status_ptr,
-                            timeout_ns, TAIL_WORD, MAX_CHANNELS, NUM_RANKS, NUM_CHANNELS, GPU)
+                            timeout_ns, TAIL_WORD, TAIL_STRIDE, NUM_RANKS, NUM_CHANNELS, GPU)
             reduce_tokens(x_ptr, weights_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_ptr, bias1_ptr, out_ptr,
                           out_weights_ptr, my_base + staging_x, my_base + staging_weights, row_base, capacity,
                           stage0, stage1, hidden, rank, topk_idx_ptr, experts_per_rank, NUM_RANKS, RANKS_PAD,
                           HAS_WEIGHTS, OWN_SLOTS, NUM_TOPK, TOPK_PAD, HAS_BIAS0, HAS_BIAS1, BLOCK, TOKENS)
+        if NUM_SENDERS == 0:
+            clear_copy_tails(my_signals, TAIL_WORD, FINISHED_WORD, NUM_RANKS, RANKS_PAD)
         release_staging(peer_base_ptrs, my_signals, rank, released_target + NUM_REDUCERS, reducer == NUM_REDUCERS - 1,
                         status_ptr, timeout_ns, DONE_WORD, NUM_RANKS, GPU)
 
@@ -217,6 +229,25 @@ def reduce_tokens(x_ptr, weights_ptr, is_token_in_rank_ptr, send_pos_ptr, bias0_
 
 
 @triton.jit
+def clear_copy_tails(my_signals, TAIL_WORD: tl.constexpr, FINISHED_WORD: tl.constexpr, NUM_RANKS: tl.constexpr,
+                     RANKS_PAD: tl.constexpr):
+    """The last reducer past its waits (every program of a copy-engine combine is a reducer)
+    sets the copy engines' tail words back to 0 for the next call.
+
+    No reducer reads them after this: the others counted themselves in ``FINISHED_WORD`` after
+    their last wait, and the acq_rel count orders their reads before the stores. No peer writes
+    them again before this: a peer's next copies start after its own reduction of this call,
+    whose last program waits in ``release_staging`` for every reducer of ours, this one
+    included, and this one releases only after the stores. And every peer's last tail write of
+    this call came first: some reducer of ours waited for each peer's full row count, which
+    only the peer's last piece writes.
+    """
+    if last_program_done(my_signals + FINISHED_WORD):
+        ranks = tl.arange(0, RANKS_PAD)
+        tl.store(my_signals + TAIL_WORD + ranks, tl.zeros([RANKS_PAD], dtype=tl.int64), mask=ranks < NUM_RANKS)
+
+
+@triton.jit
 def release_staging(peer_base_ptrs, my_signals, rank, target, last_program, status_ptr, timeout_ns,
                     DONE_WORD: tl.constexpr, NUM_RANKS: tl.constexpr, GPU: tl.constexpr):
     """This program's reads of staging are done: count it at every expert rank. Then the last
@@ -236,7 +267,7 @@ def release_staging(peer_base_ptrs, my_signals, rank, target, last_program, stat
 
 @triton.jit
 def _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, stamp, status_ptr, timeout_ns,
-                    TAIL_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr, NUM_RANKS: tl.constexpr,
+                    TAIL_WORD: tl.constexpr, TAIL_STRIDE: tl.constexpr, NUM_RANKS: tl.constexpr,
                     NUM_CHANNELS: tl.constexpr, GPU: tl.constexpr):
     """Wait until every remote row that tokens [stage0, stage1) need has arrived.
 
@@ -253,7 +284,7 @@ def _wait_for_stage(prefix_ptr, send_pos_ptr, my_signals, stage0, stage1, rank, 
         if last > first:
             for channel in range(first // chunk, (last - 1) // chunk + 1):
                 needed = tl.minimum(last, (channel + 1) * chunk) - channel * chunk
-                wait_at_least(my_signals + TAIL_WORD + peer * MAX_CHANNELS + channel, stamp + needed, status_ptr,
+                wait_at_least(my_signals + TAIL_WORD + peer * TAIL_STRIDE + channel, stamp + needed, status_ptr,
                               timeout_ns, PHASE_COMBINE_DATA, peer, GPU)
 
 

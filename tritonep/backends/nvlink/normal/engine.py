@@ -56,7 +56,9 @@ class NormalEngine:
         self.rank, self.num_ranks, self.buffer_id, self.device = rank, num_ranks, buffer_id, device
         self._memory = memory
         self.staging = StagingLayout.of(memory) if memory is not None else None
-        self.state = NormalState(device)
+        # Combine pieces through the driver when cuda-bindings is there (combine_copy_engine.py).
+        self._driver = None if INTERPRET else driver_memory_operations(device)
+        self.state = NormalState(device, self._driver)
         self.counts = CountExchange(self.state, rank, num_ranks)
         self.placeholders = Placeholders(device)
         self.layout = DispatchLayout(num_ranks, self.counts.invalid_ids)
@@ -65,8 +67,6 @@ class NormalEngine:
         # streams must still find an SM: leave a few free.
         self._max_reducers = MAX_CHANNELS if INTERPRET else \
             torch.cuda.get_device_properties(device).multi_processor_count - 4
-        # Combine pieces through the driver when cuda-bindings is there (combine_copy_engine.py).
-        self._driver = None if INTERPRET else driver_memory_operations(device)
         self.tuning = tuning
 
     @property
@@ -302,9 +302,13 @@ class NormalEngine:
             def make() -> dict:
                 shape = tile_shape(t.rows, 2 * hidden)
                 pow2 = triton.next_power_of_2
+                signals = memory.signals
+                # SM senders publish per channel, the copy engines per source (combine_kernel.py).
+                tails = dict(TAIL_WORD=signals.combine_tail, TAIL_STRIDE=MAX_CHANNELS) if senders else \
+                    dict(TAIL_WORD=signals.combine_copy_tail, TAIL_STRIDE=1)
                 return dict(
-                    TAIL_WORD=memory.signals.combine_tail, DONE_WORD=memory.signals.combine_done,
-                    MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
+                    **tails, DONE_WORD=signals.combine_done, FINISHED_WORD=signals.combine_copy_finished,
+                    NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
                     OWN_SLOTS=own_slots is not None,
                     NUM_TOPK=max(num_topk, 1), TOPK_PAD=pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
                     HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block),
@@ -318,8 +322,7 @@ class NormalEngine:
             pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)
             if plan.combine_copies is None:
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
-            self.copier.fork(x, topk_weights, plan.combine_copies, handle.rank_prefix_matrix, regions, pieces,
-                             state.combine_epoch)
+            self.copier.fork(x, topk_weights, plan.combine_copies, handle.rank_prefix_matrix, regions, pieces)
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
             # One tail word per peer: its pieces publish the rows delivered so far.
             launch = COMBINE(reducers, setup + (0, reducers, 1), args, constants(0, reducers, 1), t.warps)

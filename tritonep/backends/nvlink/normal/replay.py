@@ -21,10 +21,19 @@ A replay holds the engine's ``NormalState`` (the epochs and release counters it 
 status word, the side streams, the launch generation), never the engine, so the two paths
 share one state; the combine's copy-engine side work is the engine's ``CombineCopier``, the
 same object the general path calls.
+
+A combine replay also keeps its copy-engine side work as CUDA graphs, one per input address
+(``x`` and the top-k weights; the rest of what the graph holds is the handle's and the
+engine's), made the second time in a row that a call comes with the same addresses: a training
+step's combines with one handle mostly come with new inputs, and a capture costs far more than
+the calls it saves once, while a loop over the same tensors (a benchmark, a layer re-run on
+buffers the caching allocator hands back) gets the graph from its third call on. At most
+``GRAPHS_PER_COMBINE`` are kept, the oldest dropped first.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +57,10 @@ _D_X, _D_SCALES, _D_TOPK_IDX, _D_TOPK_WEIGHTS, _D_OUT_X, _D_OUT_SCALES, _D_EPOCH
 (_C_X, _C_X_WORDS, _C_BIAS0, _C_BIAS1, _C_WEIGHTS, _C_TOPK_IDX, _C_OUT, _C_OUT_WEIGHTS, _C_EPOCH,
  _C_RELEASED) = argument_positions(combine_kernel, "x_ptr", "x_words_ptr", "bias0_ptr", "bias1_ptr", "weights_ptr",
                                    "topk_idx_ptr", "out_ptr", "out_weights_ptr", "epoch", "released_target")
+
+
+# Graphs of copy-engine side work a combine replay keeps (each a few KB of driver memory).
+GRAPHS_PER_COMBINE = 4
 
 
 def _holds(launch: Any, values: dict[int, int]) -> bool:
@@ -145,7 +158,7 @@ class CombineReplay(_HandleReplay):
     copy-engine side work before it when the rows cross on the copy engines."""
 
     __slots__ = ("copier", "copies", "rank_prefix_matrix", "num_tokens", "reducers", "pieces", "regions", "launch",
-                 "args", "ids_placeholder")
+                 "args", "ids_placeholder", "graphs", "last_addresses")
 
     def __init__(self, state: NormalState, copier: CombineCopier | None, x: torch.Tensor,
                  topk_weights: torch.Tensor | None, handle: DispatchHandle, launch: Any, num_tokens: int,
@@ -159,6 +172,15 @@ class CombineReplay(_HandleReplay):
         self.launch, self.args = launch, list(launch.args)
         # No expert ids (V1's weights, or none): their place holds x's address, rewritten per call.
         self.ids_placeholder = self.args[_C_TOPK_IDX] == x.data_ptr()
+        # Captured side work by (x address, weights address or x's), and the last call's.
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.last_addresses = (x.data_ptr(), x.data_ptr() if topk_weights is None else topk_weights.data_ptr())
+
+    def __del__(self) -> None:
+        # At interpreter exit the driver may be gone before the replay: nothing left to free then.
+        with contextlib.suppress(Exception):
+            for graph in self.graphs.values():
+                self.state.peer_streams.drop_graph(graph)
 
     @staticmethod
     def learn(state: NormalState, copier: CombineCopier | None, x: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -194,7 +216,11 @@ class CombineReplay(_HandleReplay):
         epoch = state.combine_epoch = state.combine_epoch + 1
         released = state.combine_released
         if self.pieces:
-            self.copier.fork(x, topk_weights, self.copies, self.rank_prefix_matrix, self.regions, self.pieces, epoch)
+            graph = self._side_graph(x, topk_weights, addresses)
+            if graph is not None:
+                state.peer_streams.fork_graph(graph)
+            else:
+                self.copier.fork(x, topk_weights, self.copies, self.rank_prefix_matrix, self.regions, self.pieces)
         args = self.args
         args[_C_X], args[_C_X_WORDS], args[_C_BIAS0], args[_C_BIAS1], args[_C_WEIGHTS] = \
             x_address, x_address, x_address, x_address, weights_address
@@ -208,3 +234,16 @@ class CombineReplay(_HandleReplay):
             state.peer_streams.join()
         state.combine_released = released + self.reducers
         return out, out_weights
+
+    def _side_graph(self, x: torch.Tensor, topk_weights: torch.Tensor | None, addresses: tuple[int, int]) -> Any:
+        """The graph of this call's copy-engine side work: known, or captured now when the last
+        call came with the same addresses; else None (the side work is issued op by op)."""
+        graph = self.graphs.get(addresses)
+        if graph is None and addresses == self.last_addresses and self.copies and self.copier.captures \
+                and not torch.cuda.is_current_stream_capturing():   # (a user's capture takes the ops as they are)
+            if len(self.graphs) == GRAPHS_PER_COMBINE:
+                self.state.peer_streams.drop_graph(self.graphs.pop(next(iter(self.graphs))))
+            graph = self.graphs[addresses] = self.copier.capture(x, topk_weights, self.copies,
+                                                                 self.rank_prefix_matrix, self.regions, self.pieces)
+        self.last_addresses = addresses
+        return graph

@@ -1,0 +1,116 @@
+"""The copy-engine combine's graphs on GPUs: results and host work (run on every rank of a pool).
+
+A combine replay captures its copy-engine side work as a CUDA graph once a call repeats the
+last call's addresses (``replay.py``), and forks that graph afterwards. ``graph_combines``
+checks the results against the CPU backend while the addresses stay, change, come back and
+outnumber the graphs a replay keeps; ``combine_host_calls`` lists the CUDA calls (runtime and
+driver API, as the profiler records them) that one replayed combine makes with a graph and
+without one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from nvlink_cases import Case, bf16_mismatch, combine_rounding, make_inputs, shared_buffers
+
+import tritonep as deep_ep
+
+
+def _dispatched(buffer: deep_ep.Buffer, inputs: dict, case: Case, device: torch.device) -> tuple:
+    """(recv_x, recv_topk_weights, handle) of a fresh dispatch of ``inputs`` on ``buffer``."""
+    topk_idx, topk_weights = inputs["topk_idx"].to(device), inputs["topk_weights"].to(device)
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
+    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
+        inputs["x"].to(device), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+        config=deep_ep.Config(case.num_sms))
+    return recv_x, recv_weights, handle
+
+
+def _graph_case(group: dist.ProcessGroup) -> Case:
+    tokens = tuple(1500 if rank % 2 == 0 else 900 for rank in range(group.size()))
+    return Case(seed=404, tokens=tokens, hidden=4096, num_experts=16 * group.size(), num_topk=8, num_sms=24)
+
+
+def graph_combines(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> list[str]:
+    """Mismatches on this rank (empty when every combine matched the CPU backend's) over
+    combines with one handle: one input changed in place between calls (a graph reads what is
+    there when it runs), then inputs whose addresses change, each used twice in a row (a graph
+    each, more than a replay keeps), then come back; with top-k weights and without."""
+    nvlink, cpu = shared_buffers(group, nvl_bytes)
+    case = _graph_case(group)
+    inputs = make_inputs(case, group.rank(), group.size())
+    device = nvlink.device
+    recv_x, recv_weights, handle = _dispatched(nvlink, inputs, case, device)
+    cpu_x, cpu_weights, cpu_handle = _dispatched(cpu, inputs, case, torch.device("cpu"))
+    rounding = combine_rounding(device, bias=False)
+    config = deep_ep.Config(case.num_sms)
+    problems = []
+
+    def check(label: str, x: torch.Tensor, weighted: bool) -> None:
+        got, got_weights, _ = nvlink.combine(x, handle, topk_weights=recv_weights if weighted else None,
+                                             config=config)
+        expected, expected_weights, _ = cpu.combine(x.cpu(), cpu_handle,
+                                                    topk_weights=cpu_weights if weighted else None, config=config)
+        mismatch = bf16_mismatch(got.cpu(), expected, rounding)
+        if mismatch:
+            problems.append(f"{label}: {mismatch}")
+        if weighted and not torch.equal(got_weights.cpu(), expected_weights):
+            problems.append(f"{label}: combined top-k weights differ")
+
+    assert torch.equal(recv_x.cpu(), cpu_x), "the two backends dispatched different rows"
+    for weighted in (True, False):
+        same = recv_x.clone()
+        for call in range(5):
+            check(f"same input, call {call}, weights {weighted}", same, weighted)
+            same.mul_(2.0)   # exact in bf16: the next call must see the new values
+        others = [recv_x * 2.0 ** -k for k in range(6)]   # six live tensors: six addresses
+        for k in [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 0, 0, 3]:
+            check(f"input {k}, weights {weighted}", others[k], weighted)
+    return problems
+
+
+def _cuda_calls(call: Callable[[], object]) -> list[str]:
+    """The CUDA runtime and driver calls ``call`` makes on this thread, by name, as the
+    profiler records them (its own calls outside the marked range are left out)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    mark = "tritonep: call under test"
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function(mark):
+            call()
+        torch.cuda.synchronize()
+    events = prof.events()
+    window = next(event.time_range for event in events if event.name == mark)
+    return [event.name for event in events
+            if re.match(r"cuda[A-Z]|cu[A-Z]", event.name) and "Synchronize" not in event.name
+            and window.start <= event.time_range.start and event.time_range.end <= window.end]
+
+
+def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> dict[str, list[str]]:
+    """The CUDA calls of one replayed combine (with top-k weights): "graph", after calls with
+    the same input; "ops", with an input at a new address (no graph: the side work op by op)."""
+    nvlink, _ = shared_buffers(group, nvl_bytes)
+    case = _graph_case(group)
+    recv_x, recv_weights, handle = _dispatched(nvlink, make_inputs(case, group.rank(), group.size()), case,
+                                               nvlink.device)
+    config = deep_ep.Config(case.num_sms)
+
+    def combine(x: torch.Tensor) -> Callable[[], object]:
+        return lambda: nvlink.combine(x, handle, topk_weights=recv_weights, config=config)
+
+    for _ in range(4):
+        combine(recv_x)()
+    calls = {"graph": _cuda_calls(combine(recv_x))}
+    fresh = [recv_x.clone() for _ in range(3)]   # alive together: three addresses, none seen twice in a row
+    for x in fresh[:2]:
+        combine(x)()
+    calls["ops"] = _cuda_calls(combine(fresh[2]))
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    return calls
