@@ -92,7 +92,7 @@ def _cuda_calls(call: Callable[[], object]) -> list[str]:
             and window.start <= event.time_range.start and event.time_range.end <= window.end]
 
 
-def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> dict[str, list[str]]:
+def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> dict[str, object]:
     """The CUDA calls of one replayed combine (with top-k weights): "graph", after calls with
     the same input; "ops", with an input at a new address (no graph: the side work op by op)."""
     nvlink, _ = shared_buffers(group, nvl_bytes)
@@ -111,6 +111,7 @@ def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> di
     for x in fresh[:2]:
         combine(x)()
     calls["ops"] = _cuda_calls(combine(fresh[2]))
+    calls["capture error"] = nvlink.backend.normal.copier.capture_error   # None when graphs were made
     torch.cuda.synchronize()
     dist.barrier(group=group)
     return calls

@@ -298,6 +298,7 @@ def compare_cases(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int = 
         finally:
             nvlink.backend.tuning = default
         problems = _case_mismatches(case, got, to_device(expected, nvlink.device), nvlink.device)
+        problems += copy_tails_left(nvlink)
         # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
         wanted = {"cached_dispatch": case.repeats - 1, "combine": case.repeats - 1 if not case.bias else 0,
                   "low_latency": 0}
@@ -312,6 +313,19 @@ def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
                  tuning: dict | None = None) -> list[str]:
     """``compare_cases`` for one case: its mismatches on this rank."""
     return compare_cases(group, [case], nvl_bytes, tuning)[0][0]
+
+
+def copy_tails_left(buffer: deep_ep.Buffer) -> list[str]:
+    """What this rank's copy-engine combine tail words and finish count hold once its combines
+    are done (its outputs read back): they must be back at 0, or the next combine's reducers
+    would take the old row counts for rows already there. No peer writes them before this rank's
+    next call: a peer's next copies wait for this rank's release of its reduction."""
+    if buffer.device.type == "cuda":
+        torch.cuda.synchronize()
+    memory = buffer.backend.memory
+    first = memory.signals.combine_copy_tail
+    words = memory.signal_words()[first: memory.signals.combine_copy_finished + 1].tolist()
+    return [f"copy-engine tail words and finish count left at {words}"] if any(words) else []
 
 
 def compare_buffers(buffer: deep_ep.Buffer, cpu: deep_ep.Buffer, case: Case) -> list[str]:

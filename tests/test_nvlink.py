@@ -278,6 +278,7 @@ def test_gpu_replayed_combine_host_calls(gpu_pool) -> None:
         pytest.skip("one rank sends no rows over the copy engines")
     for calls in gpu_pool.run(combine_host_calls):
         graph, ops = calls["graph"], calls["ops"]
+        assert calls["capture error"] is None, calls
         assert sum(name.startswith("cuGraphLaunch") for name in graph) == 1 and len(graph) <= 6, calls
         assert not any("Memcpy" in name or "WriteValue" in name for name in graph), calls
         assert sum("Memcpy" in name for name in ops) >= gpu_pool.num_ranks - 1, calls

@@ -243,7 +243,9 @@ class CombineReplay(_HandleReplay):
                 and not torch.cuda.is_current_stream_capturing():   # (a user's capture takes the ops as they are)
             if len(self.graphs) == GRAPHS_PER_COMBINE:
                 self.state.peer_streams.drop_graph(self.graphs.pop(next(iter(self.graphs))))
-            graph = self.graphs[addresses] = self.copier.capture(x, topk_weights, self.copies,
-                                                                 self.rank_prefix_matrix, self.regions, self.pieces)
+            graph = self.copier.capture(x, topk_weights, self.copies, self.rank_prefix_matrix, self.regions,
+                                        self.pieces)
+            if graph is not None:
+                self.graphs[addresses] = graph
         self.last_addresses = addresses
         return graph
