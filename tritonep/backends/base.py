@@ -74,6 +74,13 @@ class CombineRequest:
     config: Config
     own_slots: OwnSlots | None = None     # with topk_weights: V2's combined weights (None: V1's sum)
 
+    def weights_to_sum(self) -> torch.Tensor | None:
+        """The top-k weights for a backend that sums every rank's copy of a token's weights:
+        with ``own_slots``, every other rank's slots zeroed first (``OwnSlots.masked``)."""
+        if self.topk_weights is None or self.own_slots is None:
+            return self.topk_weights
+        return self.own_slots.masked(self.topk_weights)
+
 
 @dataclass
 class CombineResult:
