@@ -58,11 +58,11 @@ class OwnSlots:
 
     topk_idx: torch.Tensor                # [N, K] int64, the dispatch's global expert ids (-1: none)
     experts_per_rank: int                 # E/R: slot k's rank is topk_idx[t, k] // experts_per_rank
-    other_slots: torch.Tensor             # [M, K] bool per received row: True where k's expert lives elsewhere
+    recv_topk_idx: torch.Tensor           # [M, K] int64 per received row: local expert ids, -1 for other ranks'
 
     def masked(self, topk_weights: torch.Tensor) -> torch.Tensor:
         """The received rows' weights with every other rank's slot zeroed (a new tensor)."""
-        return topk_weights.masked_fill(self.other_slots, 0.0)
+        return topk_weights.masked_fill(self.recv_topk_idx < 0, 0.0)
 
 
 @dataclass
