@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import tritonep
 
-from . import inputs, timing
+from . import host_profile, inputs, timing
 from .normal import make_buffer
 
 # The V2 - V1 host time per call that the V2 front end may add (the issue's target).
@@ -129,6 +129,12 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     rows, buffers = paired_calls(group, args, backend, device)
     for name, (v1_call, v2_call) in rows.items():
         report["rows"][name] = measure_row(group, v1_call, v2_call, args, waits_on_gpu=name.startswith("fresh"))
+    if args.host_profile:
+        report["host_profile"] = {}
+        for name, (v1_call, v2_call) in rows.items():
+            v1_us, v2_us = (host_profile.own_us_per_call(group, call, args.iters) for call in (v1_call, v2_call))
+            report["host_profile"][name] = {"v1_us": sum(v1_us.values()), "v2_us": sum(v2_us.values()),
+                                            "largest_differences": host_profile.largest_differences(v1_us, v2_us)}
     for buffer in buffers:
         buffer.destroy()
     return report
@@ -149,3 +155,5 @@ def print_report(report: dict) -> None:
           f"before; budget for V2's front end: "
           f"{report['host_budget_us']:.0f} us over V1; a fresh V2 dispatch also makes the EPHandle's fields: one "
           f"launch and its outputs on GPUs)")
+    for name, profiled in report.get("host_profile", {}).items():
+        host_profile.print_differences(name, profiled["largest_differences"], profiled["v1_us"], profiled["v2_us"])
