@@ -14,7 +14,6 @@ import pstats
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from . import timing
@@ -28,10 +27,7 @@ def own_us_per_call(group: dist.ProcessGroup, fn: Callable[[], object], calls: i
     for _ in range(WARMUP_CALLS):
         fn()
     profile = cProfile.Profile()
-    for _ in range(calls):
-        if timing.on_gpu(group):
-            torch.cuda.synchronize()
-        dist.barrier(group=group)
+    for _ in timing.idle_starts(group, calls):
         profile.enable()
         fn()
         profile.disable()

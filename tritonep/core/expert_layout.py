@@ -56,7 +56,7 @@ class LayoutSizes(NamedTuple):
     def offsets(self) -> tuple[int, ...]:
         """Word offsets of counts, psum_per_expert, psum_per_scaleup_rank, recv_src_metadata,
         dst_buffer_slot_idx, slots, expanded_source, expanded_weights, and the end. The expert
-        layout kernel places them the same way (``_field_offsets``)."""
+        layout kernel places them the same way (``_field_pointers``)."""
         E, S, M, K, N = self.experts_per_rank, self.num_scaleup_ranks, self.num_rows, self.num_topk, self.num_tokens
         X = self.num_expanded or 0
         metadata = 2 * E + S

@@ -41,6 +41,11 @@ class HandleState:
         return self.layout.expanded_source
 
 
+def _layout_field(name: str) -> property:
+    """A read-only EPHandle field that is the handle's ``ExpertLayout.<name>``."""
+    return property(lambda handle: getattr(handle._state.layout, name))
+
+
 class EPHandle:
     """The routing of one V2 dispatch.
 
@@ -92,25 +97,11 @@ class EPHandle:
         self._state = state
 
     # The device fields are views of one block (``ExpertLayout``), made when first read.
-    @property
-    def psum_num_recv_tokens_per_scaleup_rank(self) -> torch.Tensor:
-        return self._state.layout.psum_per_scaleup_rank
-
-    @property
-    def psum_num_recv_tokens_per_expert(self) -> torch.Tensor:
-        return self._state.layout.psum_per_expert
-
-    @property
-    def num_unaligned_recv_tokens_per_expert(self) -> torch.Tensor:
-        return self._state.layout.counts
-
-    @property
-    def recv_src_metadata(self) -> torch.Tensor:
-        return self._state.layout.recv_src_metadata
-
-    @property
-    def dst_buffer_slot_idx(self) -> torch.Tensor:
-        return self._state.layout.dst_buffer_slot_idx
+    psum_num_recv_tokens_per_scaleup_rank = _layout_field("psum_per_scaleup_rank")
+    psum_num_recv_tokens_per_expert = _layout_field("psum_per_expert")
+    num_unaligned_recv_tokens_per_expert = _layout_field("counts")
+    recv_src_metadata = _layout_field("recv_src_metadata")
+    dst_buffer_slot_idx = _layout_field("dst_buffer_slot_idx")
 
     def __repr__(self) -> str:
         return (f"EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "

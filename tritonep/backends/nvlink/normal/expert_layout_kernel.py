@@ -228,8 +228,7 @@ def expert_layout_kernel(
                         EXPAND)
     elif program <= row_programs:
         _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr, slots_ptr,
-                    num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK,
-                    TOPK_PAD, BLOCK_ROWS, EXPAND)
+                    num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK, TOPK_PAD, BLOCK_ROWS, EXPAND)
     elif program <= row_programs + token_programs:
         _token_fields(program - 1 - row_programs, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr,
                       topk_copy_ptr, copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
