@@ -25,7 +25,9 @@ Modes, one per run:
 * ``--baseline DIR`` (at ``--ranks 1``): the package at DIR against this checkout, one rank, both
   in one process taking turns (``ab.py``); writes ``ab.json``.
 * ``--api v2``: DeepEP V2's calls (``ElasticBuffer``) beside V1's (``Buffer``) on the same backend
-  and inputs, GPU and host time per call and V2's extra host time (``v2.py``); writes ``bench_v2.json``.
+  and inputs, GPU and host time per call and V2's extra host time (``v2.py``); writes ``bench_v2.json``;
+  with ``--host-profile`` also the functions whose own host time differs most between the two
+  APIs, under cProfile (``host_profile.py``).
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). ``timing.py`` says how calls are
@@ -78,6 +80,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--baseline", metavar="DIR", help="one-rank A/B: the tritonep package at DIR against this one")
     mode.add_argument("--api", choices=("v1", "v2"), default="v1",
                       help="v2: DeepEP V2's ElasticBuffer calls beside V1's Buffer calls (v1: the benchmark above)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="with --api v2: each row's calls under cProfile, the functions whose own host time "
+                             "differs most between V1 and V2 (rank 0's)")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu else torch.cuda.device_count()

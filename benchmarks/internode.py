@@ -24,6 +24,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
+import tritonep
+
 from . import inputs, timing
 from .internals import internode_rdma_bytes
 from .normal import make_buffer, measure_buffer
@@ -52,18 +54,24 @@ def traffic_rows(in_rank: torch.Tensor, rank: int, ranks_per_node: int) -> tuple
     return network, forwarded
 
 
+def split_buffer(group: dist.ProcessGroup, args: argparse.Namespace, gpu: bool) -> tritonep.Buffer:
+    """A Buffer on the group split into nodes of ``args.gpus_per_node`` ranks: on GPUs the
+    internode backend, its heap sized for the normal-mode problem; on CPU ranks the collective
+    backend."""
+    env = {"TRITONEP_GPUS_PER_NODE": str(args.gpus_per_node)}
+    if gpu:
+        size = internode_rdma_bytes(args.tokens, args.hidden, args.topk, group.size(), args.gpus_per_node)
+        return make_buffer(group, "nvlink", env, num_rdma_bytes=size, explicitly_destroy=True)
+    return make_buffer(group, "collective", env, explicitly_destroy=True)
+
+
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     """The internode report on the normal-mode rows' inputs (rank 0's copy is printed and
     saved): timings (``measure_buffer``), bytes per rank and projected times."""
     G, R, gpu = args.gpus_per_node, group.size(), timing.on_gpu(group)
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     x, topk_idx, topk_weights = inputs.routing(args.tokens, args.hidden, args.experts, args.topk, group.rank(), device)
-    env = {"TRITONEP_GPUS_PER_NODE": str(G)}
-    if gpu:
-        size = internode_rdma_bytes(args.tokens, args.hidden, args.topk, R, G)
-        buffer = make_buffer(group, "nvlink", env, num_rdma_bytes=size, explicitly_destroy=True)
-    else:
-        buffer = make_buffer(group, "collective", env, explicitly_destroy=True)
+    buffer = split_buffer(group, args, gpu)
     backend = type(buffer.backend).__name__
     heap = getattr(buffer.backend, "heap", None)
     measured = measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False,

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import tritonep
 
 from . import inputs, timing
-from .internals import changed_tuning, internode_rdma_bytes
+from .internals import changed_tuning
+from .internode import split_buffer
 from .normal import make_buffer
 
 CALLS = 20
@@ -83,9 +84,7 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     nvl_bytes = inputs.nvl_bytes(args.tokens, args.hidden, group.size())
     internode = bool(args.gpus_per_node) and gpu
     if internode:
-        size = internode_rdma_bytes(args.tokens, args.hidden, args.topk, group.size(), args.gpus_per_node)
-        buffer = make_buffer(group, "nvlink", {"TRITONEP_GPUS_PER_NODE": str(args.gpus_per_node)},
-                             num_rdma_bytes=size, explicitly_destroy=True)
+        buffer = split_buffer(group, args, gpu)
     else:
         buffer = make_buffer(group, "nvlink" if gpu else "collective", num_nvl_bytes=nvl_bytes,
                              explicitly_destroy=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -166,14 +166,21 @@ def back_to_back_host_us(fn: Callable[[], object], calls: int = 20, rounds: int 
     return statistics.median(samples)
 
 
+def idle_starts(group: dist.ProcessGroup, calls: int) -> Iterator[None]:
+    """Yields ``calls`` times, each time with this rank's GPU idle and the ranks together: the
+    start of a call whose host time is measured alone."""
+    for _ in range(calls):
+        if on_gpu(group):
+            torch.cuda.synchronize()
+        dist.barrier(group=group)
+        yield
+
+
 def idle_host_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int) -> float:
     """Median CPU microseconds for ``fn`` to return when the GPU is idle before the call and the
     ranks start together; the slowest rank's."""
     times = []
-    for _ in range(iters + 3):
-        if on_gpu(group):
-            torch.cuda.synchronize()
-        dist.barrier(group=group)
+    for _ in idle_starts(group, iters + 3):
         begin = time.perf_counter_ns()
         fn()
         times.append((time.perf_counter_ns() - begin) / 1e3)

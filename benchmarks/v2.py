@@ -16,10 +16,14 @@ Per call: GPU time (``timing.median_us``: one call at a time, the host path hidd
 CPU time per call made back to back (``timing.back_to_back_host_us``), V1 and V2 in turn over
 ``--rounds`` rounds (at least 5 on GPUs), the order swapped every round, so that the host's speed,
 which drifts within minutes, moves both alike; each figure is the median over the rounds and
-"v2 - v1" the median of the rounds' differences. V2's fresh dispatch also makes the EPHandle's
-fields (prefix sums, source metadata, destination rows) that V1's handle does not have: on the
-NVLink backend one launch of the expert-layout kernel into seven new tensors
-(``tests/test_v2_repeat.py`` counts them), which is most of its difference. On CPU ranks both run
+"v2 - v1" the median of the rounds' differences. Fresh dispatches made back to back wait on the
+GPU (the counts a call reads back, the buffer the previous call still uses), so their host time
+per call is the GPU's and would charge V2's extra kernel to its front end: on GPUs the fresh
+rows' host time is that of one call with the GPU idle before it (``timing.idle_host_us``). V2's
+fresh dispatch also makes the EPHandle's fields (prefix sums, source metadata, destination rows)
+that V1's handle does not have: on the NVLink backend one launch of the expert-layout kernel
+into one block and the copy of topk_idx (``tests/test_v2_repeat.py`` counts them), which is most
+of its difference. On CPU ranks both run
 on the collective backend, which computes the fields with plain torch, and every figure is
 wall-clock time.
 """
@@ -37,7 +41,7 @@ import torch.distributed as dist
 
 import tritonep
 
-from . import inputs, timing
+from . import host_profile, inputs, timing
 from .normal import make_buffer
 
 # The V2 - V1 host time per call that the V2 front end may add (the issue's target).
@@ -89,16 +93,20 @@ def paired_calls(group: dist.ProcessGroup, args: argparse.Namespace, backend: st
 
 
 def measure_row(group: dist.ProcessGroup, v1_call: Callable[[], object], v2_call: Callable[[], object],
-                args: argparse.Namespace) -> dict:
-    """One row's figures (see the module's docstring); every figure the slowest rank's."""
-    rounds = max(args.rounds, MIN_ROUNDS) if timing.on_gpu(group) else args.rounds
+                args: argparse.Namespace, waits_on_gpu: bool) -> dict:
+    """One row's figures (see the module's docstring); every figure the slowest rank's.
+    ``waits_on_gpu``: the call waits on the GPU, so that on GPUs its host time is taken with the
+    GPU idle before each call instead of back to back."""
+    gpu = timing.on_gpu(group)
+    rounds = max(args.rounds, MIN_ROUNDS) if gpu else args.rounds
     gpu_us: dict[str, list[float]] = {"v1": [], "v2": []}
     host_us: dict[str, list[float]] = {"v1": [], "v2": []}
     calls = {"v1": v1_call, "v2": v2_call}
     for round_ in range(rounds):
         order = ("v1", "v2") if round_ % 2 == 0 else ("v2", "v1")
         for api in order:
-            host_us[api].append(timing.back_to_back_host_us(calls[api], calls=10, rounds=5))
+            host_us[api].append(timing.idle_host_us(group, calls[api], 10) if gpu and waits_on_gpu else
+                                timing.back_to_back_host_us(calls[api], calls=10, rounds=5))
         for api in order:
             gpu_us[api].append(timing.median_us(group, calls[api], max(args.iters // rounds, 3)))
     differences = [v2 - v1 for v1, v2 in zip(host_us["v1"], host_us["v2"])]
@@ -120,7 +128,13 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
                     "host_budget_us": HOST_BUDGET_US, "rows": {}}
     rows, buffers = paired_calls(group, args, backend, device)
     for name, (v1_call, v2_call) in rows.items():
-        report["rows"][name] = measure_row(group, v1_call, v2_call, args)
+        report["rows"][name] = measure_row(group, v1_call, v2_call, args, waits_on_gpu=name.startswith("fresh"))
+    if args.host_profile:
+        report["host_profile"] = {}
+        for name, (v1_call, v2_call) in rows.items():
+            v1_us, v2_us = (host_profile.own_us_per_call(group, call, args.iters) for call in (v1_call, v2_call))
+            report["host_profile"][name] = {"v1_us": sum(v1_us.values()), "v2_us": sum(v2_us.values()),
+                                            "largest_differences": host_profile.largest_differences(v1_us, v2_us)}
     for buffer in buffers:
         buffer.destroy()
     return report
@@ -137,6 +151,9 @@ def print_report(report: dict) -> None:
         over = "  over budget" if gpu and row["v2_minus_v1_host_us"] > report["host_budget_us"] else ""
         print(f"{name:<30}{row['v1_gpu_us']:>11.1f}{row['v2_gpu_us']:>9.1f}{row['v1_host_us']:>12.1f}"
               f"{row['v2_host_us']:>9.1f}{row['v2_minus_v1_host_us']:>9.1f}{over}")
-    print(f"(host: CPU time per call made back to back; budget for V2's front end: "
+    print(f"(host: CPU time per call made back to back, fresh dispatches on GPUs one at a time with the GPU idle "
+          f"before; budget for V2's front end: "
           f"{report['host_budget_us']:.0f} us over V1; a fresh V2 dispatch also makes the EPHandle's fields: one "
           f"launch and its outputs on GPUs)")
+    for name, profiled in report.get("host_profile", {}).items():
+        host_profile.print_differences(name, profiled["largest_differences"], profiled["v1_us"], profiled["v2_us"])

@@ -113,7 +113,7 @@ def measure(calls: int) -> dict[str, tuple[float, float]]:
                                    lambda: v2.combine(recv_x2, handle2, topk_weights=recv_weights2)),
     }
     launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL, layout_kernel._LAYOUT,
-                 expert_layout_kernel._EXPERT_LAYOUT, expert_layout_kernel._EXPERT_LAYOUT_EXPANDED)
+                 expert_layout_kernel._EXPERT_LAYOUT)
     rows = {}
     try:
         with launches_faked(launchers, RecordedLaunch, (replay, layout_kernel)):

@@ -10,7 +10,8 @@
 #              beside DeepEP V1 when .bench_deps holds its sources (built on the CPUs first);
 #              BENCH_ARGS go to every run (e.g. --sweep, --skip-low-latency).
 #     v2       python -m benchmarks --api v2 at each rank count of BENCH_RANKS: ElasticBuffer's calls
-#              beside Buffer's, GPU and host time per call and V2's extra host time.
+#              beside Buffer's, GPU and host time per call and V2's extra host time; BENCH_ARGS too
+#              (e.g. --host-profile: where V2's extra host time sits, function by function).
 #     internode  the internode GPU tests (NVSHMEM with one GPU per rank), then the internode bench rows
 #              alone (--internode-only, nodes of INTERNODE_GPUS_PER_NODE ranks, default half the GPUs).
 #     profile  python -m benchmarks --profile: each normal-mode call's kernels and copies, per rank.
@@ -104,8 +105,9 @@ bench() {
 
 bench_v2() {
   for ranks in ${BENCH_RANKS:-$GPUS}; do
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     run "bench_v2_$ranks" "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --gpu --ranks "$ranks" --api v2 \
-      --out "$OUT/bench_v2_$ranks"
+      ${BENCH_ARGS:-} --out "$OUT/bench_v2_$ranks"
   done
 }
 

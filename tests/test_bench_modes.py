@@ -98,6 +98,21 @@ def test_v2_api_beside_v1_on_cpu_ranks(tmp_path, capsys) -> None:
     assert all(name in table for name in rows)
 
 
+def test_v2_host_profile_names_where_the_apis_differ(tmp_path, capsys) -> None:
+    """``--api v2 --host-profile``: per row, both APIs' own host time under cProfile and the
+    functions that differ most, V2's front end among them (code only V2 runs)."""
+    main(["--cpu", "--ranks", "2", "--api", "v2", "--host-profile", "--tokens", "16", "--hidden", "256", "--experts",
+          "8", "--topk", "3", "--iters", "2", "--rounds", "1", "--out", str(tmp_path)])
+    profiled = json.loads((tmp_path / "bench_v2.json").read_text())["host_profile"]
+    assert set(profiled) == {"fresh dispatch", "fresh dispatch, no CPU sync", "cached dispatch", "combine",
+                             "combine, top-k weights"}
+    for name, row in profiled.items():
+        assert row["v1_us"] > 0 and row["v2_us"] > 0, name
+        assert any(function.startswith("v2/") and v1_us == 0 and v2_us > 0
+                   for function, v1_us, v2_us in row["largest_differences"]), (name, row["largest_differences"])
+    assert "fresh dispatch: own host us per call under cProfile" in capsys.readouterr().out
+
+
 def test_internode_rows_beside_one_node_rows_on_cpu_ranks(tmp_path, capsys) -> None:
     """``--gpus-per-node 2`` on 4 CPU ranks: the split group's rows (the collective backend serves
     it) in the same run as the one-node rows, with bytes per rank and the NIC projection."""

@@ -25,7 +25,7 @@ from tritonep.core.handles import DispatchHandle
 
 ROUTINGS = ("random", "skewed", "empty", "all_to_one", "no_expert", "repeated")
 FIELDS = ("counts", "psum_per_expert", "psum_per_scaleup_rank", "recv_src_metadata", "dst_buffer_slot_idx",
-          "other_slots", "topk_idx", "slots", "expanded_source", "expanded_weights")
+          "topk_idx", "slots", "expanded_source", "expanded_weights")
 
 
 def make_topk(generator: torch.Generator, routing: str, num_tokens: int, num_ranks: int, experts_per_rank: int,

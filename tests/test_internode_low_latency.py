@@ -208,11 +208,12 @@ def _on_transport(pool: RankPool, ranks_per_node: int, allow_nvlink: bool, funct
 
 def _transport_settings(pool: RankPool) -> list[tuple[int, bool]]:
     """Every split with NVLink inside nodes; the last one also with every peer over NVSHMEM (plain
-    stores, where ranks share GPUs, have no such mode)."""
+    stores, where ranks share GPUs, have no such mode; with one rank per node, every peer is over
+    NVSHMEM already)."""
     import torch
 
     splits = _gpu_splits(pool.num_ranks)
-    nvshmem = pool.num_ranks <= torch.cuda.device_count()
+    nvshmem = pool.num_ranks <= torch.cuda.device_count() and splits[-1] > 1
     return [(g, True) for g in splits] + ([(splits[-1], False)] if nvshmem else [])
 
 

@@ -86,9 +86,8 @@ def test_expert_layout_kernel_compiles(expand: bool, has_stats: bool, copy_topk:
     compile_for_hopper(
         expert_layout_kernel,
         dict(exchange_ptr=I32, send_pos_ptr=I32, recv_src_ptr=I32, recv_idx_ptr=I64, recv_weights_ptr=F32,
-             topk_idx_ptr=I64, stats_ptr=I32, counts_ptr=I32, psum_expert_ptr=I32, psum_scaleup_ptr=I32,
-             metadata_ptr=I32, dst_ptr=I32, other_slots_ptr=BOOL, topk_copy_ptr=I64, slots_ptr=I32, source_ptr=I32,
-             expanded_weights_ptr=F32, num_rows=12345, num_tokens=4000, num_expanded=98765, alignment=128,
+             topk_idx_ptr=I64, stats_ptr=I32, fields_ptr=I32, topk_copy_ptr=I64, num_rows=12345, num_tokens=4000,
+             num_expanded=98765, alignment=128,
              has_stats=int(has_stats), copy_topk=int(copy_topk), rank=1,
              experts_per_rank=experts_per_rank, num_max_tokens=4096, row_programs=128, token_programs=16,
              source_expert_word=num_ranks * num_ranks + experts_per_rank + 2),

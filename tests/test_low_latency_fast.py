@@ -220,3 +220,24 @@ def test_call_order_alternates_slots_and_holds_those_awaiting_hooks() -> None:
     assert order.start(with_hook=False) == (3, 0) and order.pending == {1: 2}
     with pytest.raises(InputError, match="already called"):
         order.finish(1, 0)
+
+
+def combine_mask_rows_aligned(group: dist.ProcessGroup) -> list[int]:
+    """The byte offset modulo 16 of each combine slot's mask row (a combine kernel argument)."""
+    from nvlink_cases import make_buffer
+
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, group.size(), NUM_EXPERTS)
+    buffer = make_buffer(group, "nvlink", num_rdma_bytes=size, low_latency_mode=True, explicitly_destroy=True)
+    try:
+        masks = buffer.backend.low_latency.combine_masks
+        return [masks[slot].data_ptr() % 16 for slot in range(2)]
+    finally:
+        buffer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_both_combine_slots_share_one_specialisation(nvlink_host_pools, num_ranks: int) -> None:
+    """Triton specialises a pointer argument on 16-byte alignment: a slot whose mask row sat at an
+    odd offset compiled a second combine variant on its first call, inside a CUDA graph capture
+    when the capture made that call, where NVSHMEM cannot set a module up."""
+    assert nvlink_host_pools(num_ranks).run(combine_mask_rows_aligned) == [[0, 0]] * num_ranks

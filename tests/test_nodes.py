@@ -311,6 +311,7 @@ def test_one_node_rejects_tokens_per_node(single_node_pools) -> None:
 @pytest.mark.parametrize("num_ranks, expected", [(1, 1), (4, 4), (8, 8), (16, 8), (24, 8)])
 def test_ranks_per_node_default(monkeypatch: pytest.MonkeyPatch, num_ranks: int, expected: int) -> None:
     monkeypatch.delenv(topology.GPUS_PER_NODE_VARIABLE, raising=False)
+    monkeypatch.delenv(topology.LAUNCHER_VARIABLE, raising=False)
     assert topology.ranks_per_node(num_ranks) == expected
     assert topology.num_nodes(num_ranks) == num_ranks // expected
 
@@ -319,8 +320,29 @@ def test_ranks_per_node_default(monkeypatch: pytest.MonkeyPatch, num_ranks: int,
 def test_ranks_per_node_default_other_sizes_are_one_node(monkeypatch: pytest.MonkeyPatch, num_ranks: int) -> None:
     """Sizes that are not whole nodes of 8 (any rank count works on CPU ranks) are one node."""
     monkeypatch.delenv(topology.GPUS_PER_NODE_VARIABLE, raising=False)
+    monkeypatch.delenv(topology.LAUNCHER_VARIABLE, raising=False)
     assert topology.ranks_per_node(num_ranks) == num_ranks
     assert topology.num_nodes(num_ranks) == 1
+
+
+@pytest.mark.parametrize("num_ranks, local_world_size, expected", [(16, 8, 8), (8, 4, 4), (4, 8, 4), (12, 12, 12),
+                                                                  (6, 3, 3)])
+def test_ranks_per_node_from_the_launcher(monkeypatch: pytest.MonkeyPatch, num_ranks: int, local_world_size: int,
+                                          expected: int) -> None:
+    """torchrun's LOCAL_WORLD_SIZE gives real nodes: 8 ranks on nodes of 4 GPUs are two nodes
+    (DeepEP's rule would say one), a group within a node is one node."""
+    monkeypatch.delenv(topology.GPUS_PER_NODE_VARIABLE, raising=False)
+    monkeypatch.setenv(topology.LAUNCHER_VARIABLE, str(local_world_size))
+    assert topology.ranks_per_node(num_ranks) == expected
+    monkeypatch.setenv(topology.GPUS_PER_NODE_VARIABLE, "1")   # the explicit setting comes first
+    assert topology.ranks_per_node(num_ranks) == 1
+
+
+def test_ranks_per_node_launcher_nodes_must_be_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(topology.GPUS_PER_NODE_VARIABLE, raising=False)
+    monkeypatch.setenv(topology.LAUNCHER_VARIABLE, "8")
+    with pytest.raises(InputError, match=r"12 ranks .*LOCAL_WORLD_SIZE=8.*TRITONEP_GPUS_PER_NODE"):
+        topology.ranks_per_node(12)
 
 
 @pytest.mark.parametrize("setting", ["0", "-2", "5", "two"])

@@ -177,13 +177,14 @@ def test_repeats_take_the_replays_and_launch_what_the_general_path_launches(inte
 
 
 # What a fresh V2 dispatch may add to V1's (get_dispatch_layout, then dispatch) on the NVLink
-# backend: the expert-layout launch and its outputs (counts, two prefix sums, source metadata,
-# destination rows, the slots elsewhere, the copy of topk_idx), and, expanded, three more
-# outputs (slots, source rows, weights) and the gather of the rows into their expanded places
+# backend: the expert-layout launch and its outputs (one block for the handle's fields, the copy
+# of topk_idx), and, expanded, the block's views the call itself reads (source rows, weights:
+# the float32 view is a view and a detach) and the gather of the rows into their expanded places
 # (zero padding: the padding rows zeroed).
 FRESH_LAUNCHES = ["tritonep::intranode::expert_layout"]
-FRESH_OPS = Counter({"aten.empty": 7})
-EXPANDED_OPS = FRESH_OPS + Counter({"aten.empty": 3, "aten.clamp": 1, "aten.index_select": 1})
+FRESH_OPS = Counter({"aten.empty": 2})
+EXPANDED_OPS = FRESH_OPS + Counter({"aten.slice": 2, "aten.view": 1, "aten.detach": 1, "aten.clamp": 1,
+                                    "aten.index_select": 1})
 ZERO_PADDING_OPS = EXPANDED_OPS + Counter({"aten.lt": 1, "aten.view": 1, "aten.masked_fill_": 1})
 # On CPU ranks V1 reads the range of the expert ids back twice (get_dispatch_layout, dispatch),
 # V2 once (on GPUs neither does: the layout kernel counts bad ids).

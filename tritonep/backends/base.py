@@ -58,11 +58,11 @@ class OwnSlots:
 
     topk_idx: torch.Tensor                # [N, K] int64, the dispatch's global expert ids (-1: none)
     experts_per_rank: int                 # E/R: slot k's rank is topk_idx[t, k] // experts_per_rank
-    other_slots: torch.Tensor             # [M, K] bool per received row: True where k's expert lives elsewhere
+    recv_topk_idx: torch.Tensor           # [M, K] int64 per received row: local expert ids, -1 for other ranks'
 
     def masked(self, topk_weights: torch.Tensor) -> torch.Tensor:
         """The received rows' weights with every other rank's slot zeroed (a new tensor)."""
-        return topk_weights.masked_fill(self.other_slots, 0.0)
+        return topk_weights.masked_fill(self.recv_topk_idx < 0, 0.0)
 
 
 @dataclass
@@ -73,6 +73,13 @@ class CombineRequest:
     bias: tuple[torch.Tensor | None, torch.Tensor | None]   # each [N, H] bf16 or None
     config: Config
     own_slots: OwnSlots | None = None     # with topk_weights: V2's combined weights (None: V1's sum)
+
+    def weights_to_sum(self) -> torch.Tensor | None:
+        """The top-k weights for a backend that sums every rank's copy of a token's weights:
+        with ``own_slots``, every other rank's slots zeroed first (``OwnSlots.masked``)."""
+        if self.topk_weights is None or self.own_slots is None:
+            return self.topk_weights
+        return self.own_slots.masked(self.topk_weights)
 
 
 @dataclass

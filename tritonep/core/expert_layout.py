@@ -16,7 +16,9 @@ deterministic order).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,7 +43,31 @@ class ExpertLayoutRequest:
     stats: torch.Tensor | None         # int32 [E/R], incremented by the received counts
 
 
-@dataclass
+class LayoutSizes(NamedTuple):
+    """The shape of one layout; fixes where each field sits in its block (``offsets``)."""
+
+    experts_per_rank: int
+    num_scaleup_ranks: int
+    num_rows: int
+    num_topk: int
+    num_tokens: int
+    num_expanded: int | None   # None: not expanded
+
+    def offsets(self) -> tuple[int, ...]:
+        """Word offsets of counts, psum_per_expert, psum_per_scaleup_rank, recv_src_metadata,
+        dst_buffer_slot_idx, slots, expanded_source, expanded_weights, and the end. The expert
+        layout kernel places them the same way (``_field_pointers``)."""
+        E, S, M, K, N = self.experts_per_rank, self.num_scaleup_ranks, self.num_rows, self.num_topk, self.num_tokens
+        X = self.num_expanded or 0
+        metadata = 2 * E + S
+        dst = metadata + M * (K + 2)
+        slots = dst + N * K
+        expanded = self.num_expanded is not None
+        source = slots + (M * K if expanded else 0)
+        weights = source + X
+        return 0, E, 2 * E, metadata, dst, slots, source, weights, weights + X
+
+
 class ExpertLayout:
     """V2's handle fields (``tritonep/v2/handle.py`` says how EPHandle shows them).
 
@@ -58,25 +84,58 @@ class ExpertLayout:
     dst_buffer_slot_idx: int32 [N, K], the row that holds token t on the rank of k's expert:
         after the rows of lower source ranks there (``rank_prefix_matrix[rank - 1, r]``), at
         the token's place among those this rank sends to r; -1 where topk_idx is -1.
-    other_slots: bool [rows, K], recv_topk_idx < 0 (the weights a combine zeroes).
     topk_idx: int64 [N, K], the dispatch's topk_idx (a copy with ``copy_topk_idx``).
     slots: int32 [rows, K], each pair's expanded row, -1 for none (None unless expanded).
     expanded_source: int32 [num_expanded], the received row each expanded row holds, -1 on
         padding (alignment gaps and, without a CPU sync, past the last pair) (None unless expanded).
     expanded_weights: float32 [num_expanded], each expanded row's top-k weight, 0 on padding
         (None unless expanded).
+
+    All but ``topk_idx`` share one int32 allocation, ``block``, placed by ``LayoutSizes.offsets``
+    (the weights as float32 bits): a fresh dispatch allocates once for all of them, and each field
+    is a view made when first read, since a host call's cost is mostly its tensor objects.
     """
 
-    counts: torch.Tensor
-    psum_per_expert: torch.Tensor
-    psum_per_scaleup_rank: torch.Tensor
-    recv_src_metadata: torch.Tensor
-    dst_buffer_slot_idx: torch.Tensor
-    other_slots: torch.Tensor
-    topk_idx: torch.Tensor
-    slots: torch.Tensor | None = None
-    expanded_source: torch.Tensor | None = None
-    expanded_weights: torch.Tensor | None = None
+    def __init__(self, block: torch.Tensor, sizes: LayoutSizes, topk_idx: torch.Tensor) -> None:
+        self.block, self.sizes, self.topk_idx = block, sizes, topk_idx
+
+    def _field(self, index: int) -> torch.Tensor:
+        start, end = self.sizes.offsets()[index:index + 2]
+        return self.block[start:end]
+
+    @functools.cached_property
+    def counts(self) -> torch.Tensor:
+        return self._field(0)
+
+    @functools.cached_property
+    def psum_per_expert(self) -> torch.Tensor:
+        return self._field(1)
+
+    @functools.cached_property
+    def psum_per_scaleup_rank(self) -> torch.Tensor:
+        return self._field(2)
+
+    @functools.cached_property
+    def recv_src_metadata(self) -> torch.Tensor:
+        return self._field(3).view(self.sizes.num_rows, self.sizes.num_topk + 2)
+
+    @functools.cached_property
+    def dst_buffer_slot_idx(self) -> torch.Tensor:
+        return self._field(4).view(self.sizes.num_tokens, self.sizes.num_topk)
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor | None:
+        if self.sizes.num_expanded is None:
+            return None
+        return self._field(5).view(self.sizes.num_rows, self.sizes.num_topk)
+
+    @functools.cached_property
+    def expanded_source(self) -> torch.Tensor | None:
+        return None if self.sizes.num_expanded is None else self._field(6)
+
+    @functools.cached_property
+    def expanded_weights(self) -> torch.Tensor | None:
+        return None if self.sizes.num_expanded is None else self._field(7).view(torch.float32)
 
 
 def expert_counts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
@@ -214,10 +273,14 @@ def expert_layout(request: ExpertLayoutRequest, rank: int) -> ExpertLayout:
     if request.stats is not None:
         request.stats.add_(counts)
     per_source = rows_from_rank(handle, rank)
-    return ExpertLayout(
-        counts=counts, psum_per_expert=expert_prefix(counts, starts, request.expert_alignment),
-        psum_per_scaleup_rank=scaleup_prefix(per_source, request.num_scaleup_ranks),
-        recv_src_metadata=source_metadata(handle, per_source, recv_idx, slots, request.num_max_tokens_per_rank),
-        dst_buffer_slot_idx=destination_rows(request.topk_idx, handle, rank, request.experts_per_rank),
-        other_slots=recv_idx < 0, topk_idx=request.topk_idx.clone() if request.copy_topk_idx else request.topk_idx,
-        slots=slots, expanded_source=source, expanded_weights=weights)
+    num_rows, num_topk = recv_idx.shape
+    sizes = LayoutSizes(request.experts_per_rank, request.num_scaleup_ranks, num_rows, num_topk,
+                        request.topk_idx.shape[0], request.num_expanded)
+    fields = [counts, expert_prefix(counts, starts, request.expert_alignment),
+              scaleup_prefix(per_source, request.num_scaleup_ranks),
+              source_metadata(handle, per_source, recv_idx, slots, request.num_max_tokens_per_rank),
+              destination_rows(request.topk_idx, handle, rank, request.experts_per_rank)]
+    if slots is not None:
+        fields += [slots, source, weights.view(torch.int32)]
+    block = torch.cat([field.reshape(-1).to(torch.int32) for field in fields])
+    return ExpertLayout(block, sizes, request.topk_idx.clone() if request.copy_topk_idx else request.topk_idx)

@@ -48,8 +48,12 @@ class DispatchHandle(tuple):
         hidden: int,
         buffer_id: int,
         backend_state: Any = None,
+        *,
+        elements: tuple | None = None,      # the tuple, where a subclass places the fields otherwise
     ) -> DispatchHandle:
-        handle = super().__new__(cls, (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None))
+        if elements is None:
+            elements = (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None)
+        handle = super().__new__(cls, elements)
         handle.num_recv_rows = num_recv_rows
         handle.hidden = hidden
         handle.buffer_id = buffer_id
@@ -78,13 +82,9 @@ class NodeDispatchHandle(DispatchHandle):
                 backend_state: Any = None, *, rank: int, ranks_per_node: int) -> NodeDispatchHandle:
         from_ranks = rank_prefix_matrix[:, rank].contiguous()
         from_nodes = from_ranks[ranks_per_node - 1::ranks_per_node].contiguous()
-        handle = tuple.__new__(cls, (is_token_in_rank, None, None, None, from_nodes, None, from_ranks, None, None,
-                                     None))
-        handle.num_recv_rows = num_recv_rows
-        handle.hidden = hidden
-        handle.buffer_id = buffer_id
-        handle.backend_state = backend_state
-        handle.replays = ReplayTable()
+        handle = super().__new__(cls, rank_prefix_matrix, is_token_in_rank, recv_src_idx, num_recv_rows, hidden,
+                                 buffer_id, backend_state, elements=(is_token_in_rank, None, None, None, from_nodes,
+                                                                     None, from_ranks, None, None, None))
         handle.node_fields = (rank_prefix_matrix, recv_src_idx)
         return handle
 

@@ -106,11 +106,15 @@ def nvshmem_kernel(kernel: triton.runtime.JITFunction):
     return wrapped
 
 
+_SET_UP: set = set()   # (kernel, specialisation, device) whose module torch's set-up has seen
+
+
 def _keep_post_compile_hook(earlier_hook) -> None:
     """``requires_nvshmem`` sets Triton's post-compile hook to torch's NVSHMEM module set-up,
     dropping whatever hook was there (a user's, a profiler's, the tests' kernel list). Put back
-    a hook that runs torch's set-up, then the earlier hook. Torch's set-up runs once per compile:
-    a later wrap finds the chain as the earlier hook and restores it as it is."""
+    a hook that runs torch's set-up, then the earlier hook. A later wrap finds the chain as the
+    earlier hook and restores it as it is; and should chains nest (a hook set in between that
+    calls the one before it), torch's set-up still runs once per compiled kernel."""
     nvshmem_setup = triton.knobs.runtime.jit_post_compile_hook
     if earlier_hook is None or earlier_hook is nvshmem_setup:
         return
@@ -119,7 +123,10 @@ def _keep_post_compile_hook(earlier_hook) -> None:
         return
 
     def both(**kwargs):
-        nvshmem_setup(**kwargs)
+        compiled = (id(kwargs["fn"].jit_function), kwargs["key"], kwargs["compile"]["device"])
+        if compiled not in _SET_UP:
+            _SET_UP.add(compiled)
+            nvshmem_setup(**kwargs)
         return earlier_hook(**kwargs)
 
     both.runs_nvshmem_setup = True

@@ -3,7 +3,8 @@
 A tile is ``ROWS`` rows by ``BLOCK`` columns; rows are addressed by index vectors so the same
 loop serves a gather (sender: rows picked by ``token_list``) and a contiguous copy (receiver:
 staging rows to output rows). Several rows per tile keep enough loads in flight per program
-to stream at NVLink speed with few programs.
+to stream at NVLink speed with few programs. ``lane_column`` reads one lane of a [rows, lanes]
+tile (the ranks or nodes a row's copies sit at), for kernels that sum a row's copies.
 """
 
 from __future__ import annotations
@@ -52,3 +53,13 @@ def channel_range(count, channel, NUM_CHANNELS: tl.constexpr):
     lo = tl.minimum(channel * chunk, count)
     hi = tl.minimum(lo + chunk, count)
     return lo, hi
+
+
+@triton.jit
+def lane_column(tile, present, lanes, lane):
+    """Column ``lane`` of a [rows, lanes] int tile, as [rows], and whether each row's entry there
+    is ``present`` (a [rows, lanes] bool tile). ``lanes``: the tile's lane indices. A tile has
+    no column index, so the column is picked with a reduction over the lanes, in registers."""
+    pick = lanes[None, :] == lane
+    here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
+    return tl.sum(tl.where(pick, tile, 0), axis=1), here

@@ -399,7 +399,7 @@ class ElasticBuffer:
                 and bias is None and not handle.do_expand and type(x) is torch.Tensor
                 and (topk_weights is None or (type(topk_weights) is torch.Tensor
                                               and topk_weights.dtype is torch.float32
-                                              and topk_weights.shape == handle._state.other_slots.shape
+                                              and topk_weights.shape == handle._state.recv_topk_idx.shape
                                               and topk_weights.device == x.device))):
             combined = calls.replayed_combine(handle, x, topk_weights, num_sms or handle.num_sms)
             if combined is not None:

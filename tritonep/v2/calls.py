@@ -79,10 +79,8 @@ class Received:
         """Every tensor made on the communication stream that the caller's stream may read: the
         outputs and the handle's (``runtime.streams`` records them on the caller's stream)."""
         handle, state = self.handle, self.handle._state
-        return (self.x, self.scales, self.topk_idx, self.topk_weights, handle.topk_idx,
-                handle.psum_num_recv_tokens_per_scaleup_rank, handle.psum_num_recv_tokens_per_expert,
-                handle.num_unaligned_recv_tokens_per_expert, handle.recv_src_metadata, handle.dst_buffer_slot_idx,
-                state.recv_topk_idx, state.other_slots, state.slots, state.expanded_source)
+        return (self.x, self.scales, self.topk_idx, self.topk_weights, handle.topk_idx, state.layout.block,
+                state.recv_topk_idx)
 
 
 def wait_for(event: EventOverlap | None) -> None:
@@ -144,15 +142,12 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
         if recv_scales is not None:
             recv_scales = expand.expand_rows(recv_scales, fields.expanded_source, options.do_zero_padding)
         recv_weights = fields.expanded_weights
-    state = HandleState(engine.buffer_id, engine_handle, recv_idx, fields.other_slots, fields.slots,
-                        fields.expanded_source, rows, call.x.shape[1], fields.topk_idx, experts_per_rank)
+    state = HandleState(engine.buffer_id, engine_handle, recv_idx, fields, rows, call.x.shape[1], fields.topk_idx,
+                        experts_per_rank)
     handle = EPHandle(
         do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=call.expert_alignment,
         num_max_tokens_per_rank=T, num_sms=options.num_sms, topk_idx=fields.topk_idx, num_recv_tokens=num_recv,
-        num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=expert_list,
-        psum_num_recv_tokens_per_scaleup_rank=fields.psum_per_scaleup_rank,
-        psum_num_recv_tokens_per_expert=fields.psum_per_expert, num_unaligned_recv_tokens_per_expert=fields.counts,
-        recv_src_metadata=fields.recv_src_metadata, dst_buffer_slot_idx=fields.dst_buffer_slot_idx, state=state)
+        num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=expert_list, state=state)
     return Received(recv_x, _col_major(recv_scales, options.col_major_sf), None if call.do_expand else recv_idx,
                     recv_weights if call.topk_weights is not None else None, handle)
 
@@ -242,7 +237,7 @@ def own_slots(handle: EPHandle) -> OwnSlots:
     """V2 gives each slot k the weight from the rank of k's expert, where the engines sum a
     token's weights over ranks: what the backend is asked to do instead."""
     state = handle._state
-    return OwnSlots(handle.topk_idx, state.experts_per_rank, state.other_slots)
+    return OwnSlots(handle.topk_idx, state.experts_per_rank, state.recv_topk_idx)
 
 
 def combine(engine: Engine, call: CombineCall, num_sms: int,

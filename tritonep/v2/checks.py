@@ -47,7 +47,6 @@ class CombineCall:
 def check_handle(handle: object, buffer_id: int) -> EPHandle:
     if not isinstance(handle, EPHandle):
         raise InputError(f"handle must be an EPHandle from this ElasticBuffer's dispatch, got {type(handle).__name__}")
-    assert isinstance(handle, EPHandle)
     require(handle._state.buffer_id == buffer_id,
             "this EPHandle was made by another ElasticBuffer; pass it only to the buffer that dispatched")
     return handle

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tritonep.core.expert_layout import ExpertLayout
 from tritonep.core.handles import DispatchHandle
 
 
@@ -23,13 +24,26 @@ class HandleState:
     buffer_id: int                    # the ElasticBuffer that made the handle
     engine_handle: DispatchHandle     # the backend's handle: layout of the received rows
     recv_topk_idx: torch.Tensor       # [rows, K] int64: local expert ids of the received rows, -1 elsewhere
-    other_slots: torch.Tensor         # [rows, K] bool: recv_topk_idx < 0 (the weights combine drops)
-    slots: torch.Tensor | None        # [rows, K] int32: each (row, k)'s expanded row, -1 for none (expanded only)
-    expanded_source: torch.Tensor | None  # int32 [expanded rows]: the row each holds, -1 on padding (expanded only)
+    layout: ExpertLayout              # the handle's fields, the expanded layout's slots and sources among them
     rows: int                         # rows of the non-expanded layout (the engine's, padding included)
     hidden: int
     topk_idx: torch.Tensor            # the EPHandle's topk_idx as made (what combine's replays read)
     experts_per_rank: int
+
+    @property
+    def slots(self) -> torch.Tensor | None:
+        """int32 [rows, K]: each (row, k)'s expanded row, -1 for none (expanded only)."""
+        return self.layout.slots
+
+    @property
+    def expanded_source(self) -> torch.Tensor | None:
+        """int32 [expanded rows]: the row each holds, -1 on padding (expanded only)."""
+        return self.layout.expanded_source
+
+
+def _layout_field(name: str) -> property:
+    """A read-only EPHandle field that is the handle's ``ExpertLayout.<name>``."""
+    return property(lambda handle: getattr(handle._state.layout, name))
 
 
 class EPHandle:
@@ -68,9 +82,7 @@ class EPHandle:
 
     def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
                  num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: list[int], psum_num_recv_tokens_per_scaleup_rank: torch.Tensor,
-                 psum_num_recv_tokens_per_expert: torch.Tensor, num_unaligned_recv_tokens_per_expert: torch.Tensor,
-                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, state: HandleState) -> None:
+                 num_recv_tokens_per_expert_list: list[int], state: HandleState) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -80,14 +92,16 @@ class EPHandle:
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
         self.token_metadata_at_forward: torch.Tensor | None = None
         self.channel_linked_list: torch.Tensor | None = None
         self._state = state
+
+    # The device fields are views of one block (``ExpertLayout``), made when first read.
+    psum_num_recv_tokens_per_scaleup_rank = _layout_field("psum_per_scaleup_rank")
+    psum_num_recv_tokens_per_expert = _layout_field("psum_per_expert")
+    num_unaligned_recv_tokens_per_expert = _layout_field("counts")
+    recv_src_metadata = _layout_field("recv_src_metadata")
+    dst_buffer_slot_idx = _layout_field("dst_buffer_slot_idx")
 
     def __repr__(self) -> str:
         return (f"EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "

@@ -86,10 +86,8 @@ class CollectiveBackend(base.Backend):
         return normal.dispatch(self.group, self.buffer_id, request, self.ranks_per_node)
 
     def combine(self, request: base.CombineRequest) -> base.CombineResult:
-        weights = request.topk_weights
-        if weights is not None and request.own_slots is not None:
-            weights = request.own_slots.masked(weights)
-        combined_x, combined_weights = normal.combine(self.group, request.x, request.handle, weights, request.bias)
+        combined_x, combined_weights = normal.combine(self.group, request.x, request.handle, request.weights_to_sum(),
+                                                      request.bias)
         return base.CombineResult(combined_x, combined_weights)
 
     def expert_layout(self, request: ExpertLayoutRequest) -> ExpertLayout:

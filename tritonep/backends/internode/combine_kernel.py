@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from tritonep.backends.internode.transport import put_signal, signal_add, wait_signal
-from tritonep.device.rows import channel_range
+from tritonep.device.rows import channel_range, lane_column
 from tritonep.device.signals import add_release, fence_system, last_program_done, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_NET_COMBINE_DATA, PHASE_NET_COMBINE_SLOT, PHASE_NODE_COMBINE_DATA
 from tritonep.runtime import kernel_names
@@ -110,22 +110,18 @@ def node_reduce_kernel(
                 col_mask = (cols < hidden)[None, :]
                 acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
                 for lane in tl.static_range(RANKS_PER_NODE):
-                    pick = lanes[None, :] == lane
-                    here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
-                    row_x = tl.sum(tl.where(pick, x_rows, 0), axis=1).to(tl.pointer_type(tl.bfloat16))
-                    acc += tl.load(row_x[:, None] + cols[None, :], mask=here[:, None] & col_mask, other=0.0,
-                                   cache_modifier=".cg").to(tl.float32)
+                    row_x, here = lane_column(x_rows, present, lanes, lane)
+                    acc += tl.load(row_x.to(tl.pointer_type(tl.bfloat16))[:, None] + cols[None, :],
+                                   mask=here[:, None] & col_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
                 tl.store(out_rows + cols[None, :], acc, mask=mask[:, None] & col_mask)
             if HAS_WEIGHTS:
                 slots = tl.arange(0, WEIGHTS_PAD)
                 w_rows = peer_bases[None, :] + staging_weights + staged * (4 * WEIGHTS_PAD)
                 acc_w = tl.zeros([ROWS, WEIGHTS_PAD], dtype=tl.float32)
                 for lane in tl.static_range(RANKS_PER_NODE):
-                    pick = lanes[None, :] == lane
-                    here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
-                    row_w = tl.sum(tl.where(pick, w_rows, 0), axis=1).to(tl.pointer_type(tl.float32))
-                    acc_w += tl.load(row_w[:, None] + slots[None, :], mask=here[:, None], other=0.0,
-                                     cache_modifier=".cg")
+                    row_w, here = lane_column(w_rows, present, lanes, lane)
+                    acc_w += tl.load(row_w.to(tl.pointer_type(tl.float32))[:, None] + slots[None, :],
+                                     mask=here[:, None], other=0.0, cache_modifier=".cg")
                 tl.store(out_rows + hidden + slots[None, :], acc_w, mask=mask[:, None])
         put_signal(transport_table, heap_base, partial_landing + ((my_node * cap + lo) * row_width).to(tl.int64) * 4,
                    partial_send + ((source_node * cap + lo) * row_width).to(tl.int64) * 4, (hi - lo) * row_width * 4,
@@ -176,9 +172,7 @@ def final_reduce_kernel(
             if HAS_BIAS1:
                 acc += tl.load(bias1_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             for node in tl.static_range(NUM_NODES):
-                pick = lanes[None, :] == node
-                here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
-                row = tl.sum(tl.where(pick, sum_rows, 0), axis=1)
+                row, here = lane_column(sum_rows, present, lanes, node)
                 acc += tl.load(sums + row[:, None] + cols[None, :], mask=here[:, None] & mask, other=0.0,
                                cache_modifier=".cg")
             tl.store(out_ptr + offsets, acc.to(tl.bfloat16), mask=mask)
@@ -187,9 +181,7 @@ def final_reduce_kernel(
             mask = token_mask[:, None] & (slots < NUM_TOPK)[None, :]
             acc_w = tl.zeros([TOKENS, WEIGHTS_PAD], dtype=tl.float32)
             for node in tl.static_range(NUM_NODES):
-                pick = lanes[None, :] == node
-                here = tl.sum(tl.where(pick & present, 1, 0), axis=1) > 0
-                row = tl.sum(tl.where(pick, sum_rows, 0), axis=1)
+                row, here = lane_column(sum_rows, present, lanes, node)
                 acc_w += tl.load(sums + row[:, None] + hidden + slots[None, :], mask=here[:, None] & mask,
                                  other=0.0, cache_modifier=".cg")
             tl.store(out_weights_ptr + tokens[:, None] * NUM_TOPK + slots[None, :], acc_w, mask=mask)

@@ -252,10 +252,9 @@ class InternodeNormal:
     # ------------------------------------------------------------------ combine
     def combine(self, request: CombineRequest) -> CombineResult:
         self.check_status()
-        x, handle, weights, bias = request.x, request.handle, request.topk_weights, request.bias
-        if weights is not None and request.own_slots is not None:
-            # The in-node stage sums ranks' weights before the token's rank sees them: zeroed here.
-            weights = request.own_slots.masked(weights)
+        # The in-node stage sums ranks' weights before the token's rank sees them: V2's own-slot
+        # rule is applied to them here.
+        x, handle, weights, bias = request.x, request.handle, request.weights_to_sum(), request.bias
         plan: NodePlan = handle.backend_state
         hidden, num_tokens = x.shape[1], handle.is_token_in_rank.shape[0]
         if hidden % 2:

@@ -94,7 +94,11 @@ class LowLatencyEngine:
         self._combine_outputs = CombineOutputs(device)
         # Shrink mode: the ranks each combine slot's call skips, saved by its send half for its
         # receive half.
-        self.combine_masks = torch.zeros(2, self.num_ranks, dtype=torch.int32, device=device)
+        # Rows padded to 16 bytes: Triton specialises a pointer on 16-byte alignment, and a second
+        # slot's row at an odd offset would compile a second variant on its first call, possibly
+        # inside a CUDA graph capture, where NVSHMEM's module set-up fails.
+        row_words = -(-self.num_ranks // 4) * 4
+        self.combine_masks = torch.zeros(2, row_words, dtype=torch.int32, device=device)[:, :self.num_ranks]
         self._combine_mask_rows = (self.combine_masks[0], self.combine_masks[1])
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -9,8 +9,8 @@ elements and none waiting for another:
 
 - program 0: the per-expert vectors (counts, their prefix sums, the caller's running stats) and
   the prefix sums per scale-up rank;
-- row programs, a block of received rows each: the source metadata and the slots whose expert
-  lives elsewhere;
+- row programs, a block of received rows each: the source metadata (and, expanded, -1 for the
+  slots whose expert lives elsewhere);
 - token programs, a block of this rank's tokens each: the row each (token, k) lands on at its
   expert's rank, and the copy of ``topk_idx``;
 - slot programs (expanded layout only), one per (source rank, group of local experts): they walk
@@ -19,8 +19,9 @@ elements and none waiting for another:
   source 0 also mark their experts' alignment gaps, and all of them share the rows past the last
   expert's block (worst-case outputs) between them.
 
-The host allocates the outputs and launches; nothing is read back, so a ``do_cpu_sync=False``
-dispatch stays capturable in a CUDA graph.
+The fields share one int32 block (``core.expert_layout.LayoutSizes`` places them; the kernel
+finds them by the same arithmetic, ``_field_pointers``). The host allocates it and launches;
+nothing is read back, so a ``do_cpu_sync=False`` dispatch stays capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from tritonep.backends.nvlink.normal.notify_kernel import source_expert_word
 from tritonep.backends.nvlink.normal.shape import Placeholders
-from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest, LayoutSizes
 from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher, next_power_of_2
 
@@ -39,6 +40,21 @@ from tritonep.runtime.launcher import FastLauncher, next_power_of_2
 @triton.jit
 def _aligned(counts, alignment):
     return (counts + alignment - 1) // alignment * alignment
+
+
+@triton.jit
+def _field_pointers(fields_ptr, num_rows, num_tokens, num_expanded, experts_per_rank, SCALEUP_RANKS: tl.constexpr,
+                    NUM_TOPK: tl.constexpr):
+    """Each field's place in the block, in ``LayoutSizes.offsets``'s order (the expanded
+    layout's three fields are only used with EXPAND, when the block holds them)."""
+    psum_expert_ptr = fields_ptr + experts_per_rank
+    psum_scaleup_ptr = psum_expert_ptr + experts_per_rank
+    metadata_ptr = psum_scaleup_ptr + SCALEUP_RANKS
+    dst_ptr = metadata_ptr + num_rows.to(tl.int64) * (NUM_TOPK + 2)
+    slots_ptr = dst_ptr + num_tokens.to(tl.int64) * NUM_TOPK
+    source_ptr = slots_ptr + num_rows.to(tl.int64) * NUM_TOPK
+    weights_ptr = (source_ptr + num_expanded).to(tl.pointer_type(tl.float32), bitcast=True)
+    return fields_ptr, psum_expert_ptr, psum_scaleup_ptr, metadata_ptr, dst_ptr, slots_ptr, source_ptr, weights_ptr
 
 
 @triton.jit
@@ -72,9 +88,9 @@ def _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_s
 
 
 @triton.jit
-def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr, other_slots_ptr,
-                slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
-                NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, EXPAND: tl.constexpr):
+def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr, slots_ptr, num_rows,
+                rank, num_max_tokens, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
+                TOPK_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, EXPAND: tl.constexpr):
     sources = tl.arange(0, RANKS_PAD)
     source_mask = sources < NUM_RANKS
     source_ends = tl.load(exchange_ptr + sources * NUM_RANKS + rank, mask=source_mask, other=0)
@@ -96,7 +112,6 @@ def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr,
         metadata = metadata_ptr + rows.to(tl.int64) * (NUM_TOPK + 2)
         tl.store(metadata, tl.where(real, src_rank * num_max_tokens + src_token, -1), mask=row_mask)
         tl.store(metadata + 1, tl.where(real, src_rank * NUM_TOPK + first_k, -1), mask=row_mask)
-        tl.store(other_slots_ptr + pairs, elsewhere, mask=pair_mask)
         if EXPAND:   # the slot programs write the pairs of local experts
             tl.store(metadata[:, None] + 2 + ks[None, :], -1, mask=pair_mask & elsewhere)
             tl.store(slots_ptr + pairs, -1, mask=pair_mask & elsewhere)
@@ -195,9 +210,8 @@ def _expanded_slots(program, exchange_ptr, recv_idx_ptr, recv_weights_ptr, metad
 def expert_layout_kernel(
     # What the dispatch left: the exchange's result words, the send plan's positions, the received rows.
     exchange_ptr, send_pos_ptr, recv_src_ptr, recv_idx_ptr, recv_weights_ptr, topk_idx_ptr, stats_ptr,
-    # The fields (core/expert_layout.py), then those of the expanded layout (placeholders unless EXPAND).
-    counts_ptr, psum_expert_ptr, psum_scaleup_ptr, metadata_ptr, dst_ptr, other_slots_ptr, topk_copy_ptr,
-    slots_ptr, source_ptr, expanded_weights_ptr,
+    # The fields' block (core/expert_layout.py), the copy of topk_idx.
+    fields_ptr, topk_copy_ptr,
     num_rows, num_tokens, num_expanded, alignment, has_stats, copy_topk,              # per call
     rank, experts_per_rank, num_max_tokens, row_programs, token_programs, source_expert_word,   # per shape
     NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SCALEUP_RANKS: tl.constexpr, SCALEUP_PAD: tl.constexpr,
@@ -205,14 +219,16 @@ def expert_layout_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, EXPAND: tl.constexpr,
 ):
     program = tl.program_id(0)
+    counts_ptr, psum_expert_ptr, psum_scaleup_ptr, metadata_ptr, dst_ptr, slots_ptr, source_ptr, \
+        expanded_weights_ptr = _field_pointers(fields_ptr, num_rows, num_tokens, num_expanded, experts_per_rank,
+                                               SCALEUP_RANKS, NUM_TOPK)
     if program == 0:
         _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
                         experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
                         EXPAND)
     elif program <= row_programs:
-        _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr,
-                    other_slots_ptr, slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK,
-                    TOPK_PAD, BLOCK_ROWS, EXPAND)
+        _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr, slots_ptr,
+                    num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK, TOPK_PAD, BLOCK_ROWS, EXPAND)
     elif program <= row_programs + token_programs:
         _token_fields(program - 1 - row_programs, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr,
                       topk_copy_ptr, copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
@@ -225,15 +241,10 @@ def expert_layout_kernel(
 
 
 # Per call the tensors and the sizes change; this rank and the shape (ranks, T, top-k, experts,
-# options) are the setup, which fixes the grid. Without the expanded layout its three outputs
-# are the engine's placeholders and num_expanded is 0, fixed by the setup (whose launch
-# generation names the engine): that launcher converts four arguments fewer per call.
-_CHANGING = ("exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr",
-             "stats_ptr", "counts_ptr", "psum_expert_ptr", "psum_scaleup_ptr", "metadata_ptr", "dst_ptr",
-             "other_slots_ptr", "topk_copy_ptr", "num_rows", "num_tokens", "alignment", "has_stats", "copy_topk")
-_EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=_CHANGING)
-_EXPERT_LAYOUT_EXPANDED = FastLauncher(expert_layout_kernel, changing=_CHANGING + (
-    "slots_ptr", "source_ptr", "expanded_weights_ptr", "num_expanded"))
+# options) are the setup, which fixes the grid.
+_EXPERT_LAYOUT = FastLauncher(expert_layout_kernel, changing=(
+    "exchange_ptr", "send_pos_ptr", "recv_src_ptr", "recv_idx_ptr", "recv_weights_ptr", "topk_idx_ptr", "stats_ptr",
+    "fields_ptr", "topk_copy_ptr", "num_rows", "num_tokens", "num_expanded", "alignment", "has_stats", "copy_topk"))
 
 BLOCK_ROWS = BLOCK_TOKENS = BLOCK_SLOTS = 256
 EXPERT_GROUP = 8   # local experts per slot program: each walks its source's rows once for all of them
@@ -294,35 +305,22 @@ def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos
         request.num_max_tokens_per_rank
     expand, device = request.num_expanded is not None, recv_idx.device
     num_expanded = request.num_expanded or 0
-    counts = torch.empty(experts_per_rank, dtype=torch.int32, device=device)
-    psum_expert = torch.empty(experts_per_rank, dtype=torch.int32, device=device)
-    psum_scaleup = torch.empty(num_scaleup, dtype=torch.int32, device=device)
-    metadata = torch.empty(num_rows, num_topk + 2, dtype=torch.int32, device=device)
-    dst = torch.empty(num_tokens, num_topk, dtype=torch.int32, device=device)
-    other_slots = torch.empty(num_rows, num_topk, dtype=torch.bool, device=device)
+    sizes = LayoutSizes(experts_per_rank, num_scaleup, num_rows, num_topk, num_tokens, request.num_expanded)
+    block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=device)
     topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) if request.copy_topk_idx \
         else None
-    slots = source = weights = None
-    if expand:
-        slots = torch.empty(num_rows, num_topk, dtype=torch.int32, device=device)
-        source = torch.empty(num_expanded, dtype=torch.int32, device=device)
-        weights = torch.empty(num_expanded, dtype=torch.float32, device=device)
     setup = (launch_generation, rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand)
     shape = _SHAPES.get(setup)
     if shape is None:
         shape = _SHAPES[setup] = _LayoutShape.make(rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand)
     stats, int32 = request.stats, placeholders(torch.int32)
-    (_EXPERT_LAYOUT_EXPANDED if expand else _EXPERT_LAYOUT)(
+    _EXPERT_LAYOUT(
         shape.grid, setup,
         # The kernel's argument groups, in its order.
         (exchange, send_pos, handle.recv_src_idx, recv_idx, request.recv_topk_weights, request.topk_idx,
          stats if stats is not None else int32,
-         counts, psum_expert, psum_scaleup, metadata, dst, other_slots,
-         topk_copy if topk_copy is not None else placeholders(torch.int64),
-         slots if slots is not None else int32, source if source is not None else int32,
-         weights if weights is not None else placeholders(torch.float32),
+         block, topk_copy if topk_copy is not None else placeholders(torch.int64),
          num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
          int(topk_copy is not None), *shape.fixed_args),
         shape.constants, 4)
-    return ExpertLayout(counts, psum_expert, psum_scaleup, metadata, dst, other_slots,
-                        topk_copy if topk_copy is not None else request.topk_idx, slots, source, weights)
+    return ExpertLayout(block, sizes, topk_copy if topk_copy is not None else request.topk_idx)

@@ -1,0 +1,55 @@
+"""Where a call's host time goes, function by function (``--api v2 --host-profile``).
+
+Each row's V1 and V2 calls run under cProfile, one call at a time with the GPU idle before it
+and the ranks started together, and each function's own time per call is kept; the report
+lists the functions whose own time differs most between the two APIs. cProfile slows every
+Python call, so the figures are larger than the host times the bench measures without it: they
+say where a difference sits, not its size.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from . import timing
+
+WARMUP_CALLS = 3
+
+
+def own_us_per_call(group: dist.ProcessGroup, fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """{function (folder/file:line(name)): its own (not its callees') microseconds per call of
+    ``fn``} on this rank."""
+    for _ in range(WARMUP_CALLS):
+        fn()
+    profile = cProfile.Profile()
+    for _ in timing.idle_starts(group, calls):
+        profile.enable()
+        fn()
+        profile.disable()
+    stats = pstats.Stats(profile).stats   # {(file, line, name): (calls, primitive calls, own s, total s, callers)}
+    return {f"{_where(file)}:{line}({name})": own / calls * 1e6
+            for (file, line, name), (_, _, own, _, _) in stats.items()}
+
+
+def _where(file: str) -> str:
+    """``folder/file.py`` of a Python function (``v1/buffer.py`` and ``v2/buffer.py`` apart), or
+    cProfile's ``~`` for a built-in."""
+    path = Path(file)
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
+def largest_differences(v1: dict[str, float], v2: dict[str, float], top: int = 12) -> list[tuple[str, float, float]]:
+    """(function, V1 us, V2 us) of the ``top`` functions whose own time per call differs most."""
+    rows = [(name, v1.get(name, 0.0), v2.get(name, 0.0)) for name in set(v1) | set(v2)]
+    return sorted(rows, key=lambda row: abs(row[2] - row[1]), reverse=True)[:top]
+
+
+def print_differences(name: str, rows: list, total_v1: float, total_v2: float) -> None:
+    print(f"\n{name}: own host us per call under cProfile, V1 {total_v1:.1f}, V2 {total_v2:.1f}")
+    for function, v1_us, v2_us in rows:
+        print(f"  {v2_us - v1_us:+9.1f}  v1 {v1_us:8.1f}  v2 {v2_us:8.1f}  {function}")
