@@ -63,10 +63,15 @@ run() {
 # --durations also prints where the batched cases' time went; the kernels each run compiled are
 # listed in $OUT (kept as tests/gpu_kernels.jsonl, later runs compile them ahead: tests/kernel_cache.py).
 gpu_tests() {
+  # Each test's time beside its name, so that a log cut by the time limit still says where the
+  # time went (pytest 8.3 and later).
+  local times=()
+  python3 -c "import pytest, sys; sys.exit(tuple(map(int, pytest.__version__.split('.')[:2])) < (8, 3))" &&
+    times=(-o console_output_style=times)
   for ranks in ${TEST_RANKS:-$GPUS}; do
     TRITONEP_GPU_RANKS=$ranks TRITONEP_TEST_DEFAULT_DTYPE=bfloat16 TRITONEP_TEST_DEFAULT_DEVICE=cuda \
       TRITONEP_TEST_KERNELS_OUT="$OUT/gpu_kernels_$ranks.jsonl" \
-      run "gpu_tests_$ranks${TEST_TAG:-}" "${TEST_TIMEOUT:-300}" python3 -m pytest -v -m gpu -rf -p no:cacheprovider \
+      run "gpu_tests_$ranks${TEST_TAG:-}" "${TEST_TIMEOUT:-300}" python3 -m pytest -v ${times[@]+"${times[@]}"} -m gpu -rf -p no:cacheprovider \
       --durations=40 ${TESTS:-tests} ${TEST_FILTER:+-k "$TEST_FILTER"}
   done
 }

@@ -109,7 +109,7 @@ class PeerStreams:
             # Ends the capture whatever happened, so the stream is usable again.
             graph = driver_result(driver.cuStreamEndCapture(stream.cuda_stream), "graph capture")
         try:
-            return driver_result(driver.cuGraphInstantiateWithFlags(graph, 0), "graph instantiation")
+            return driver_result(driver.cuGraphInstantiate(graph, 0), "graph instantiation")
         finally:
             driver_result(driver.cuGraphDestroy(graph), "graph destruction")
 
