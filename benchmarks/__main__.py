@@ -1,7 +1,7 @@
 """Benchmark: tritonep's dispatch and combine against what users would do without it.
 
     python -m benchmarks [--ranks R] [--tokens N] [--hidden H] [--experts E] [--topk K]
-                         [--num-sms 24] [--iters 50] [--rounds 2] [--out DIR] [--sweep] [--vs-deepep]
+                         [--num-sms 24] [--iters 50] [--rounds 2] [--out DIR] [--sweep | --curve] [--vs-deepep]
                          [--ll-tokens T] [--ll-experts E] [--skip-normal] [--skip-low-latency]
                          [--gpus-per-node N [--nic-gbps 50] [--internode-only]]
                          [--cpu | --gpu] [--profile | --baseline DIR | --api v2]
@@ -13,12 +13,12 @@ Modes, one per run:
     all_to_all_single path (tritonep's collective backend on NCCL, and the bare
     ``all_to_all_single`` of already-permuted rows), DeepEP V1 with ``--vs-deepep`` when
     ``import deep_ep`` gives DeepEP itself; the link ceiling (``ceiling.py``); with ``--sweep``
-    a num_sms curve (DeepEP's too) and kernel shapes;
+    a num_sms curve (DeepEP's too) and kernel shapes, with ``--curve`` the curve alone;
   - low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths;
   - with ``--gpus-per-node N``, the normal-mode rows on the group split into nodes of N ranks
     (``internode.py``) and its low-latency rows (``low_latency.traffic``): time, network and
     NVLink bytes per rank, the network bytes' time at ``--nic-gbps``;
-  it prints both tables and writes ``bench.json`` (and ``bench.png`` with ``--sweep``) to ``--out``;
+  it prints both tables and writes ``bench.json`` (and ``bench.png`` with a curve) to ``--out``;
 * ``--profile``: where each normal-mode call's GPU time goes (``kernel_profile.py``), per rank (with
   ``--gpus-per-node N``: the internode backend's calls);
   writes ``profile.json``;
@@ -60,6 +60,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rounds of the main figures on GPUs (tritonep and DeepEP in turn; for --baseline, "
                              "the two packages in turn): medians and spread")
     parser.add_argument("--sweep", action="store_true", help=f"num_sms curve {normal.SWEEP_SMS} and kernel shapes")
+    parser.add_argument("--curve", action="store_true", help="the num_sms curve alone (no kernel shapes)")
     parser.add_argument("--vs-deepep", action="store_true",
                         help="also DeepEP V1 (import deep_ep) on the same inputs, when it imports")
     parser.add_argument("--ll-tokens", type=int, help="low-latency tokens per rank (default 128 on GPUs, 16 on CPUs)")

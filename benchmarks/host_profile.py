@@ -49,7 +49,17 @@ def largest_differences(v1: dict[str, float], v2: dict[str, float], top: int = 1
     return sorted(rows, key=lambda row: abs(row[2] - row[1]), reverse=True)[:top]
 
 
-def print_differences(name: str, rows: list, total_v1: float, total_v2: float) -> None:
-    print(f"\n{name}: own host us per call under cProfile, V1 {total_v1:.1f}, V2 {total_v2:.1f}")
-    for function, v1_us, v2_us in rows:
+def largest(own: dict[str, float], top: int = 12) -> list[tuple[str, float]]:
+    """(function, us) of the ``top`` functions with the most own time per call: where a call's
+    host time goes, shared parts included (those cancel out of ``largest_differences``)."""
+    return sorted(own.items(), key=lambda item: item[1], reverse=True)[:top]
+
+
+def print_differences(name: str, profiled: dict) -> None:
+    """One row's report: the largest differences, then each API's largest own times."""
+    print(f"\n{name}: own host us per call under cProfile, V1 {profiled['v1_us']:.1f}, V2 {profiled['v2_us']:.1f}")
+    for function, v1_us, v2_us in profiled["largest_differences"]:
         print(f"  {v2_us - v1_us:+9.1f}  v1 {v1_us:8.1f}  v2 {v2_us:8.1f}  {function}")
+    for api in ("v1", "v2"):
+        print(f"  largest own times, {api}: " + ", ".join(f"{function} {us:.1f}"
+                                                         for function, us in profiled.get(f"{api}_largest", [])))

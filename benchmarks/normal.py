@@ -210,13 +210,14 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
         remote_rows = int(in_rank.sum()) - int(in_rank[:, rank].sum())
         report["remote_bytes"] = remote_rows * args.hidden * 2
         report["link_ceiling"] = ceiling.measure(group, report["remote_bytes"], args.iters)
-        if args.sweep:
+        if args.sweep or args.curve:
             report["num_sms_curve"] = {
                 n: measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False) for n in SWEEP_SMS}
+        if args.sweep:
             report["shape_sweep"] = shape_sweep(group, ours, args, x, topk_idx, topk_weights)
     if isinstance(deepep, tuple):
         module, theirs = deepep
-        if args.sweep and "error" not in report["deepep"]:
+        if (args.sweep or args.curve) and "error" not in report["deepep"]:
             report["deepep"]["num_sms_curve"] = {n: guarded(lambda n=n: measure_buffer(
                 group, theirs, args, x, topk_idx, topk_weights, n, fp8=False, module=module)) for n in SWEEP_SMS}
         try:

@@ -169,7 +169,7 @@ def print_low_latency(report: dict) -> None:
 
 def plot(report: dict, path: str) -> None:
     """The num_sms curves of the cached dispatch and the combine, with the all_to_all_single
-    path and the link ceiling as lines; nothing without a curve (``--sweep``) or matplotlib."""
+    path and the link ceiling as lines; nothing without a curve (``--sweep``, ``--curve``) or matplotlib."""
     curves = {"tritonep": report.get("num_sms_curve"), "DeepEP V1": report.get("deepep", {}).get("num_sms_curve")}
     if not curves["tritonep"]:
         return

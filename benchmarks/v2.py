@@ -134,7 +134,9 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
         for name, (v1_call, v2_call) in rows.items():
             v1_us, v2_us = (host_profile.own_us_per_call(group, call, args.iters) for call in (v1_call, v2_call))
             report["host_profile"][name] = {"v1_us": sum(v1_us.values()), "v2_us": sum(v2_us.values()),
-                                            "largest_differences": host_profile.largest_differences(v1_us, v2_us)}
+                                            "largest_differences": host_profile.largest_differences(v1_us, v2_us),
+                                            "v1_largest": host_profile.largest(v1_us),
+                                            "v2_largest": host_profile.largest(v2_us)}
     for buffer in buffers:
         buffer.destroy()
     return report
@@ -156,4 +158,4 @@ def print_report(report: dict) -> None:
           f"{report['host_budget_us']:.0f} us over V1; a fresh V2 dispatch also makes the EPHandle's fields: one "
           f"launch and its outputs on GPUs)")
     for name, profiled in report.get("host_profile", {}).items():
-        host_profile.print_differences(name, profiled["largest_differences"], profiled["v1_us"], profiled["v2_us"])
+        host_profile.print_differences(name, profiled)

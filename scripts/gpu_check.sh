@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on a GPU machine, one mode per call; logs and JSON go to $OUT (the device
 # tool brings that folder back).
-#   bash scripts/gpu_check.sh [tests|bench|v2|internode|profile|ab|all]
+#   bash scripts/gpu_check.sh [tests|bench|v2|internode|profile|ab|tests-bench|all]
 #     tests    the GPU tests under DeepEP's torch defaults (cuda device, bf16 dtype), at each rank
 #              count of TEST_RANKS (default: one rank per GPU; more ranks than GPUs share them);
 #              TESTS: the files (default: every GPU test file), TEST_FILTER: pytest -k, TEST_TAG: a
@@ -19,6 +19,7 @@
 #              checkout at one rank on one GPU, in the same run (python -m benchmarks --ranks 1
 #              --baseline); AB_ARGS go to it. E.g. here: mkdir -p .baseline && git archive bb06a2c
 #              tritonep | tar -x -C .baseline, carry .baseline, then BASELINE=.baseline.
+#     tests-bench  tests, then bench, DeepEP built on the CPUs during the tests.
 #     all      tests, bench, profile and the demo, with time limits that fit one 10-minute call.
 # Time limits (seconds): TEST_TIMEOUT, BENCH_TIMEOUT, PROFILE_TIMEOUT, AB_TIMEOUT, DEMO_TIMEOUT.
 set -uo pipefail
@@ -140,6 +141,11 @@ case "$MODE" in
   internode) internode ;;
   profile) profile ;;
   ab) ab ;;
+  tests-bench)
+    start_deepep_build
+    gpu_tests
+    bench
+    ;;
   all)
     : "${TEST_TIMEOUT:=200}" "${BENCH_TIMEOUT:=220}" "${PROFILE_TIMEOUT:=60}" "${DEMO_TIMEOUT:=60}"
     start_deepep_build
@@ -148,6 +154,6 @@ case "$MODE" in
     profile
     run demo "${DEMO_TIMEOUT:-120}" bash scripts/run_demo.sh
     ;;
-  *) echo "gpu_check.sh: unknown mode '$MODE' (tests, bench, v2, internode, profile, ab, all)"; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$MODE' (tests, bench, v2, internode, profile, ab, tests-bench, all)"; exit 2 ;;
 esac
 exit $status

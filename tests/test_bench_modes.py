@@ -110,7 +110,12 @@ def test_v2_host_profile_names_where_the_apis_differ(tmp_path, capsys) -> None:
         assert row["v1_us"] > 0 and row["v2_us"] > 0, name
         assert any(function.startswith("v2/") and v1_us == 0 and v2_us > 0
                    for function, v1_us, v2_us in row["largest_differences"]), (name, row["largest_differences"])
-    assert "fresh dispatch: own host us per call under cProfile" in capsys.readouterr().out
+        # Each API's own largest times, largest first, within its total.
+        for api in ("v1", "v2"):
+            times = [us for _, us in row[f"{api}_largest"]]
+            assert times == sorted(times, reverse=True) and 0 < sum(times) <= row[f"{api}_us"] + 1e-6, (name, api)
+    out = capsys.readouterr().out
+    assert "fresh dispatch: own host us per call under cProfile" in out and "largest own times, v2:" in out
 
 
 def test_internode_rows_beside_one_node_rows_on_cpu_ranks(tmp_path, capsys) -> None:
