@@ -3,9 +3,10 @@
 A combine replay captures its copy-engine side work as a CUDA graph once a call repeats the
 last call's addresses (``replay.py``), and forks that graph afterwards. ``graph_combines``
 checks the results against the CPU backend while the addresses stay, change, come back and
-outnumber the graphs a replay keeps; ``combine_host_calls`` lists the CUDA calls (runtime and
-driver API, as the profiler records them) that one replayed combine makes with a graph and
-without one.
+outnumber the graphs a replay keeps; ``combine_host_calls`` lists the CUDA calls that one
+replayed combine makes with a graph and without one: the runtime calls and kernel launches the
+profiler records, and the driver calls made through cuda-bindings, which the profiler leaves
+out (counted by a stand-in for the driver module that passes each call on).
 """
 
 from __future__ import annotations
@@ -74,9 +75,28 @@ def graph_combines(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> list[s
     return problems
 
 
-def _cuda_calls(call: Callable[[], object]) -> list[str]:
-    """The CUDA runtime and driver calls ``call`` makes on this thread, by name, as the
-    profiler records them (its own calls outside the marked range are left out)."""
+class CountingDriver:
+    """cuda-bindings' driver module, passing each ``cu*`` call on and noting its name."""
+
+    def __init__(self, driver: object) -> None:
+        self.driver, self.calls = driver, []
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(self.driver, name)
+        if not name.startswith("cu"):   # types and enums (CUresult, CUstream...)
+            return value
+
+        def counted(*args: object) -> object:
+            self.calls.append(name)
+            return value(*args)
+
+        return counted
+
+
+def _cuda_calls(call: Callable[[], object], driver: CountingDriver) -> list[str]:
+    """The CUDA calls ``call`` makes on this thread, by name: the runtime calls and kernel
+    launches the profiler records (its own calls outside the marked range left out), then the
+    driver calls made through ``driver``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     mark = "tritonep: call under test"
@@ -89,7 +109,7 @@ def _cuda_calls(call: Callable[[], object]) -> list[str]:
     window = next(event.time_range for event in events if event.name == mark)
     return [event.name for event in events
             if re.match(r"cuda[A-Z]|cu[A-Z]", event.name) and "Synchronize" not in event.name
-            and window.start <= event.time_range.start and event.time_range.end <= window.end]
+            and window.start <= event.time_range.start and event.time_range.end <= window.end] + driver.calls
 
 
 def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> dict[str, object]:
@@ -100,18 +120,33 @@ def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> di
     recv_x, recv_weights, handle = _dispatched(nvlink, make_inputs(case, group.rank(), group.size()), case,
                                                nvlink.device)
     config = deep_ep.Config(case.num_sms)
+    copier = nvlink.backend.normal.copier
+    # The copies and tail writes go through the copier's driver, the graphs and the fork and
+    # join through its streams' (the same module): one counting stand-in for both, for this
+    # function's calls.
+    real = copier.driver
+    assert real is not None and copier.streams.driver is real, "the combine's pieces do not go through the driver"
+    counting = CountingDriver(real)
 
     def combine(x: torch.Tensor) -> Callable[[], object]:
         return lambda: nvlink.combine(x, handle, topk_weights=recv_weights, config=config)
 
+    def calls_of(call: Callable[[], object]) -> list[str]:
+        counting.calls = []
+        copier.driver = copier.streams.driver = counting
+        try:
+            return _cuda_calls(call, counting)
+        finally:
+            copier.driver = copier.streams.driver = real
+
     for _ in range(4):
         combine(recv_x)()
-    calls = {"graph": _cuda_calls(combine(recv_x))}
+    calls = {"graph": calls_of(combine(recv_x))}
     fresh = [recv_x.clone() for _ in range(3)]   # alive together: three addresses, none seen twice in a row
     for x in fresh[:2]:
         combine(x)()
-    calls["ops"] = _cuda_calls(combine(fresh[2]))
-    calls["capture error"] = nvlink.backend.normal.copier.capture_error   # None when graphs were made
+    calls["ops"] = calls_of(combine(fresh[2]))
+    calls["capture error"] = copier.capture_error   # None when graphs were made
     torch.cuda.synchronize()
     dist.barrier(group=group)
     return calls
