@@ -16,7 +16,7 @@ import dataclasses
 import os
 import random
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -282,22 +282,15 @@ def compare_cases(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int = 
     case's timings (``case_batches.run_batch``). ``tuning``: changes to the NVLink backend's
     ``Tuning`` for these cases (kernel shapes, paths)."""
     nvlink, cpu = shared_buffers(group, nvl_bytes)
-    rank, num_ranks = group.rank(), group.size()
-
-    def oracle(case: Case) -> tuple[dict, dict]:
-        inputs = make_inputs(case, rank, num_ranks)
-        return inputs, _run(cpu, case, inputs, torch.device("cpu"))
 
     def compare(case: Case, oracle_result: tuple[dict, dict]) -> list[str]:
-        inputs, expected = oracle_result
         default = nvlink.backend.tuning
         nvlink.backend.tuning = dataclasses.replace(default, **(tuning or {}))
         try:
             with count_replays() as taken:
-                got = _run(nvlink, case, inputs, nvlink.device)
+                problems = run_and_compare(nvlink, case, oracle_result)
         finally:
             nvlink.backend.tuning = default
-        problems = _case_mismatches(case, got, to_device(expected, nvlink.device), nvlink.device)
         problems += copy_tails_left(nvlink)
         # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
         wanted = {"cached_dispatch": case.repeats - 1, "combine": case.repeats - 1 if not case.bias else 0,
@@ -306,7 +299,7 @@ def compare_cases(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int = 
             problems.append(f"replays taken {taken}, expected {wanted}")
         return problems
 
-    return run_batch(group, cases, oracle, compare)
+    return run_batch(group, cases, cpu_oracle(cpu, group), compare)
 
 
 def compare_case(group: dist.ProcessGroup, case: Case, nvl_bytes: int = 1 << 24,
@@ -328,15 +321,24 @@ def copy_tails_left(buffer: deep_ep.Buffer) -> list[str]:
     return [f"copy-engine tail words and finish count left at {words}"] if any(words) else []
 
 
-def compare_buffers(buffer: deep_ep.Buffer, cpu: deep_ep.Buffer, case: Case) -> list[str]:
-    """The case's calls on ``buffer`` and on the CPU backend's ``cpu`` (gloo), compared: the
-    mismatches on this rank (``buffer`` runs first, so its calls' replays are the caller's to
-    count)."""
-    group = buffer.group
-    inputs = make_inputs(case, group.rank(), group.size())
+def cpu_oracle(cpu: deep_ep.Buffer, group: dist.ProcessGroup) -> Callable[[Case], tuple[dict, dict]]:
+    """``run_batch``'s oracle on this rank of ``group``: a case's inputs (``make_inputs``) and
+    the CPU backend's results on them, from ``cpu`` (a Buffer on ``oracle_group``)."""
+    rank, num_ranks = group.rank(), group.size()
+
+    def oracle(case: Case) -> tuple[dict, dict]:
+        inputs = make_inputs(case, rank, num_ranks)
+        return inputs, _run(cpu, case, inputs, torch.device("cpu"))
+
+    return oracle
+
+
+def run_and_compare(buffer: deep_ep.Buffer, case: Case, oracle_result: tuple[dict, dict]) -> list[str]:
+    """The case's calls on ``buffer`` with the oracle's inputs, compared with the oracle's
+    results (``cpu_oracle``): the mismatches on this rank."""
+    inputs, expected = oracle_result
     got = _run(buffer, case, inputs, buffer.device)
-    expected = to_device(_run(cpu, case, inputs, torch.device("cpu")), buffer.device)
-    return _case_mismatches(case, got, expected, buffer.device)
+    return _case_mismatches(case, got, to_device(expected, buffer.device), buffer.device)
 
 
 def _case_mismatches(case: Case, got: dict, expected: dict, device: torch.device) -> list[str]:

@@ -3,7 +3,8 @@
 ``TRITONEP_GPUS_PER_NODE`` splits the group; the internode Buffer (``TRITONEP_BACKEND=nvlink``
 on a split group) and the CPU backend's Buffer run the same calls (``nvlink_cases``: fresh
 dispatch, cached dispatches, combines, fp8 with scales, bias, num_worst_tokens) and must agree
-as the NVLink backend must. Three ways to run the same kernels:
+as the NVLink backend must. A pool run takes a batch of cases, the CPU backend's side a case
+ahead in a thread of each rank (``case_batches``). Three ways to run the same kernels:
 
 * ``interpreter``: CPU ranks under Triton's interpreter, transport by plain stores, at 2 x 2
   and 3 x 2 (nodes x ranks per node); small shapes (two CPU cores run them);
@@ -16,34 +17,45 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from nvlink_cases import Case, compare_buffers, empty_rows_from_numpy, make_buffer
+from case_batches import check_batch, oracle_group, run_batch
+from nvlink_cases import Case, cpu_oracle, empty_rows_from_numpy, make_buffer, run_and_compare
 
+from tritonep import Buffer
 from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
 from tritonep.rank_pool import RankPool
 
 _buffers: dict = {}
 
 
-def compare_split(group: dist.ProcessGroup, case: Case, ranks_per_node: int, rdma_bytes: int) -> list[str]:
-    """On every rank: the case on the internode backend and on the CPU backend, compared."""
-    env = {GPUS_PER_NODE_VARIABLE: str(ranks_per_node)}
+def split_buffers(group: dist.ProcessGroup, ranks_per_node: int, rdma_bytes: int) -> tuple[Buffer, Buffer]:
+    """The internode Buffer and the CPU backend's, on the oracle's gloo group, both made (once
+    per split and size on this rank) with the group split into nodes of ``ranks_per_node``."""
     key = (ranks_per_node, rdma_bytes)
     if key not in _buffers:
+        env = {GPUS_PER_NODE_VARIABLE: str(ranks_per_node)}
         internode = make_buffer(group, "nvlink", env, num_rdma_bytes=rdma_bytes)
         assert type(internode.backend).__name__ == "InternodeBackend", type(internode.backend)
-        gloo = group if dist.get_backend(group) == "gloo" else dist.new_group(backend="gloo")
-        _buffers[key] = (internode, make_buffer(gloo, "collective", env))
-    internode, cpu = _buffers[key]
-    return compare_buffers(internode, cpu, case)
+        _buffers[key] = (internode, make_buffer(oracle_group(group), "collective", env))
+    return _buffers[key]
+
+
+def compare_split_cases(group: dist.ProcessGroup, cases: list[Case], ranks_per_node: int,
+                        rdma_bytes: int) -> tuple[list[list[str]], list[dict]]:
+    """On every rank: each case on the internode backend, compared with the CPU backend's
+    results, which a thread works out a case ahead (``case_batches.run_batch``). Returns the
+    mismatches and the timings of each case."""
+    internode, cpu = split_buffers(group, ranks_per_node, rdma_bytes)
+    return run_batch(group, cases, cpu_oracle(cpu, group),
+                     lambda case, oracle_result: run_and_compare(internode, case, oracle_result))
 
 
 def transport_of(group: dist.ProcessGroup, ranks_per_node: int, rdma_bytes: int) -> str:
     return _buffers[(ranks_per_node, rdma_bytes)][0].backend.heap.name
 
 
-def _check(pool: RankPool, case: Case, ranks_per_node: int, rdma_bytes: int = 1 << 22) -> None:
-    failures = pool.run(compare_split, case, ranks_per_node, rdma_bytes)
-    assert all(not f for f in failures), f"{case} at {ranks_per_node} ranks per node: {failures}"
+def _check(pool: RankPool, cases: list[Case], ranks_per_node: int, rdma_bytes: int = 1 << 22) -> None:
+    """The cases on the internode and the CPU backend, compared on the ranks: one pool run."""
+    check_batch(pool, compare_split_cases, cases, ranks_per_node, rdma_bytes)
 
 
 # Random, skewed, all-to-one and empty routings, ranks without tokens, fp8 with row-major and
@@ -69,14 +81,12 @@ CASES_3X2 = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES_2X2, ids=lambda c: f"seed{c.seed}")
-def test_interpreter_two_nodes_of_two(interpreter_pools, case: Case) -> None:
-    _check(interpreter_pools(4), case, 2)
+def test_interpreter_two_nodes_of_two(interpreter_pools) -> None:
+    _check(interpreter_pools(4), CASES_2X2, 2)
 
 
-@pytest.mark.parametrize("case", CASES_3X2, ids=lambda c: f"seed{c.seed}")
-def test_interpreter_three_nodes_of_two(interpreter_pools, case: Case) -> None:
-    _check(interpreter_pools(6), case, 2)
+def test_interpreter_three_nodes_of_two(interpreter_pools) -> None:
+    _check(interpreter_pools(6), CASES_3X2, 2)
 
 
 def test_interpreter_empty_rows_from_numpy(interpreter_pools) -> None:
@@ -89,7 +99,7 @@ def test_interpreter_empty_rows_from_numpy(interpreter_pools) -> None:
 
 def test_interpreter_transport_is_plain_stores(interpreter_pools) -> None:
     pool = interpreter_pools(4)
-    _check(pool, CASES_2X2[0], 2)
+    _check(pool, CASES_2X2[:1], 2)
     assert set(pool.run(transport_of, 2, 1 << 22)) == {"stores"}
 
 
@@ -110,19 +120,21 @@ def _gpu_splits(num_ranks: int) -> list[int]:
 
 
 @pytest.mark.gpu(min_gpus=2)
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"seed{c.seed}")
-def test_gpu_matches_cpu_backend(transport_pool, case: Case) -> None:
-    """Every split of the machine's ranks into nodes; NVSHMEM with one GPU per rank, plain
-    stores when ranks share GPUs (TRITONEP_GPU_RANKS)."""
-    R = transport_pool.num_ranks
-    case = Case(**{**case.__dict__, "tokens": case.tokens[:1] * R})
-    for ranks_per_node in _gpu_splits(R):
-        _check(transport_pool, case, ranks_per_node, 1 << 29)
+def test_gpu_matches_cpu_backend(transport_pool) -> None:
+    """Every split of the machine's ranks into nodes, ``GPU_CASES`` in one batch each; NVSHMEM
+    with one GPU per rank, plain stores when ranks share GPUs (TRITONEP_GPU_RANKS)."""
     import torch
 
+    R = transport_pool.num_ranks
+    cases = [Case(**{**case.__dict__, "tokens": case.tokens[:1] * R}) for case in GPU_CASES]
+    for ranks_per_node in _gpu_splits(R):
+        _check(transport_pool, cases, ranks_per_node, 1 << 29)
     expected = "stores" if R > torch.cuda.device_count() else "nvshmem"
     for ranks_per_node in _gpu_splits(R):
         assert set(transport_pool.run(transport_of, ranks_per_node, 1 << 29)) == {expected}
+
+
+RACE_BATCH = 50   # cases per pool run in the race loop: a pool run of minutes at most
 
 
 @pytest.mark.gpu(min_gpus=2)
@@ -133,11 +145,12 @@ def test_gpu_race_loop(transport_pool) -> None:
     rng = random.Random(5)
     R = transport_pool.num_ranks
     ranks_per_node = _gpu_splits(R)[-1]
-    for seed in range(100):
-        case = Case(seed=100 + seed, tokens=tuple(rng.randint(0, 300) for _ in range(R)),
-                    hidden=rng.choice([512, 2048, 7168]), num_experts=8 * R, num_topk=rng.choice([1, 4, 8]),
-                    fp8=rng.random() < 0.4, bias=rng.random() < 0.3, routing=rng.choice(["random", "skewed"]))
-        _check(transport_pool, case, ranks_per_node, 1 << 29)
+    cases = [Case(seed=100 + seed, tokens=tuple(rng.randint(0, 300) for _ in range(R)),
+                  hidden=rng.choice([512, 2048, 7168]), num_experts=8 * R, num_topk=rng.choice([1, 4, 8]),
+                  fp8=rng.random() < 0.4, bias=rng.random() < 0.3, routing=rng.choice(["random", "skewed"]))
+             for seed in range(100)]
+    for first in range(0, len(cases), RACE_BATCH):
+        _check(transport_pool, cases[first:first + RACE_BATCH], ranks_per_node, 1 << 29)
 
 
 # ---------------------------------------------------------------------------------- compiling
