@@ -140,7 +140,9 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
     # block: the row-moving chunk; combine_pieces and combine_piece_ratio: how the copy-engine
     # combine cuts each peer's block; tokens and combine_block: the reduction's tile;
     # sender_fraction below 1/2: at EP2 the receivers copy about twice the rows the senders push;
-    # above 1/2: from EP4 on the senders carry most of the bytes over the links.
+    # above 1/2: from EP4 on the senders carry most of the bytes over the links. At EP4 the
+    # default split is bound on both sides (more senders leave too few receivers), so the last
+    # variants give the fewer receivers larger tiles (more bytes in flight per program).
     variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=1024), dict(block=4096),
                 dict(combine_pieces=1), dict(combine_pieces=2), dict(combine_pieces=3), dict(combine_pieces=4),
                 dict(combine_piece_ratio=1.0), dict(combine_piece_ratio=0.4),
@@ -151,7 +153,9 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
                 dict(sender_fraction=1 / 3), dict(sender_fraction=0.4), dict(sender_fraction=0.58),
                 dict(sender_fraction=0.625), dict(sender_fraction=0.67),
                 dict(sender_fraction=0.5, combine_sender_fraction=0.25),
-                dict(sender_fraction=0.75, combine_sender_fraction=0.5)]
+                dict(sender_fraction=0.75, combine_sender_fraction=0.5),
+                dict(sender_fraction=0.58, rows=16), dict(sender_fraction=0.625, rows=16),
+                dict(sender_fraction=0.625, block=4096), dict(sender_fraction=0.67, rows=16)]
     results = []
     for change in variants:
         with changed_tuning(buffer, **change) as fields:
