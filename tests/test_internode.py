@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 from case_batches import check_batch, oracle_group, run_batch
-from nvlink_cases import Case, cpu_oracle, empty_rows_from_numpy, make_buffer, run_and_compare
+from nvlink_cases import Case, cpu_oracle, make_buffer, run_and_compare
+from nvlink_scenarios import empty_rows_from_numpy
 
 from tritonep import Buffer
 from tritonep.core.topology import GPUS_PER_NODE_VARIABLE

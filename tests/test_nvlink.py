@@ -16,9 +16,8 @@ import random
 import pytest
 from case_batches import check_batch
 from combine_graph_cases import combine_host_calls, graph_combines
-from nvlink_cases import (
-    Case,
-    compare_cases,
+from nvlink_cases import Case, compare_cases
+from nvlink_scenarios import (
     empty_rows_from_numpy,
     fresh_dispatch_in_graph_error,
     fresh_dispatch_sequence,
