@@ -14,7 +14,8 @@ Modes, one per run:
     ``all_to_all_single`` of already-permuted rows), DeepEP V1 with ``--vs-deepep`` when
     ``import deep_ep`` gives DeepEP itself; the link ceiling (``ceiling.py``); with ``--sweep``
     a num_sms curve (DeepEP's too) and kernel shapes, with ``--curve`` the curve alone;
-  - low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths;
+  - low-latency mode (``low_latency.py``), DeepEP's decode problem, the same paths (with
+    ``--sweep`` also the NVLink kernels under other launch shapes);
   - with ``--gpus-per-node N``, the normal-mode rows on the group split into nodes of N ranks
     (``internode.py``) and its low-latency rows (``low_latency.traffic``): time, network and
     NVLink bytes per rank, the network bytes' time at ``--nic-gbps``;

@@ -15,7 +15,8 @@ Per path, GPU time first (``timing`` says how each is taken):
 then the host's CPU time per call, from an idle GPU and back to back, beside a torch ``add_``
 timed the same way as a yardstick of the host's speed. "GB/s": the bytes every rank receives
 (fp8 rows with their scales for dispatch, bf16 rows for combine, per (token, expert) pair) over
-the time.
+the time. With ``--sweep`` on GPUs, also the NVLink kernels' graph-replay times under other
+launch shapes (``shape_sweep``).
 """
 
 from __future__ import annotations
@@ -34,24 +35,63 @@ from .normal import make_buffer
 
 CALLS = ("dispatch", "combine")
 
+# Launch shapes of the low-latency kernels tried by ``--sweep``, one Tuning field changed at a
+# time through its environment variable (each variant is a Buffer of its own, the variable set
+# while it is made): programs per SM and warps per program of the dispatch and the combine, and
+# the rows each step moves.
+SWEEP_VARIANTS = ({}, {"TRITONEP_LL_PROGRAMS_PER_SM": "1"}, {"TRITONEP_LL_PROGRAMS_PER_SM": "4"},
+                  {"TRITONEP_LL_WARPS": "4"}, {"TRITONEP_LL_WARPS": "16"}, {"TRITONEP_LL_RECV_ROWS": "2"},
+                  {"TRITONEP_LL_RECV_ROWS": "8"}, {"TRITONEP_LL_ROWS": "8"},
+                  {"TRITONEP_LL_COMBINE_PROGRAMS_PER_SM": "2"}, {"TRITONEP_LL_COMBINE_WARPS": "8"})
+
+
+def _warm_calls(buffer: object, args: argparse.Namespace, x: torch.Tensor, topk_idx: torch.Tensor,
+                weights: torch.Tensor, group: dist.ProcessGroup) -> dict:
+    """{"dispatch", "combine", "pair"}: the timed calls on ``buffer``, each made three times, so
+    that they are compiled and on their repeat paths before any capture or timing."""
+    T, E = args.ll_tokens, args.ll_experts
+    packed, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+    expert_out = inputs.expert_output(packed[0].shape, group.rank(), x.device)
+
+    def pair() -> object:
+        pair_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)[2]
+        return buffer.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
+
+    calls = {"dispatch": lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True),
+             "combine": lambda: buffer.low_latency_combine(expert_out, topk_idx, weights, handle), "pair": pair,
+             "handle": handle, "expert_out": expert_out}
+    for _ in range(3):
+        for name in ("dispatch", "combine", "pair"):
+            calls[name]()
+    return calls
+
+
+def shape_sweep(group: dist.ProcessGroup, args: argparse.Namespace, x: torch.Tensor, topk_idx: torch.Tensor,
+                weights: torch.Tensor, size: int) -> list[dict]:
+    """Per ``SWEEP_VARIANTS`` entry, the NVLink dispatch's and combine's graph-replay time per
+    call (a variant that fails reports its error and the others go on)."""
+    results = []
+    for env in SWEEP_VARIANTS:
+        def graph_times(env: dict = env) -> dict:
+            buffer = make_buffer(group, "nvlink", env, num_rdma_bytes=size, low_latency_mode=True,
+                                 explicitly_destroy=True)
+            try:
+                calls = _warm_calls(buffer, args, x, topk_idx, weights, group)
+                return {f"{name}_graph_us": timing.graph_us(group, calls[name], args.iters) for name in CALLS}
+            finally:
+                buffer.destroy()
+        results.append({"change": env or "defaults", **guarded(graph_times)})
+    return results
+
 
 def measure(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
             topk_idx: torch.Tensor, weights: torch.Tensor, graphs: bool) -> dict:
     """``buffer``: a tritonep or DeepEP Buffer in low-latency mode (the same API)."""
     T, E, iters = args.ll_tokens, args.ll_experts, args.iters
-    packed, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
-    expert_out = inputs.expert_output(packed[0].shape, group.rank(), x.device)
+    warm = _warm_calls(buffer, args, x, topk_idx, weights, group)
+    dispatch, combine, pair = warm["dispatch"], warm["combine"], warm["pair"]
+    handle, expert_out = warm["handle"], warm["expert_out"]
     pending: list = []
-
-    def dispatch() -> object:
-        return buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
-
-    def combine() -> object:
-        return buffer.low_latency_combine(expert_out, topk_idx, weights, handle)
-
-    def pair() -> object:
-        pair_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)[2]
-        return buffer.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
 
     def dispatch_send() -> None:
         pending.append(buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True, return_recv_hook=True)[4])
@@ -63,9 +103,6 @@ def measure(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, 
         pending.pop(0)()
 
     calls = {"dispatch": dispatch, "combine": combine}
-    for _ in range(3):   # compiled and on their repeat paths before any capture or timing
-        for call in (dispatch, combine, pair):
-            call()
     result: dict = {}
     if graphs:
         for name, call in calls.items():
@@ -118,6 +155,8 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace, backends: list[
         buffer.destroy()
     if args.vs_deepep:
         report["deepep"] = _deepep(group, args, x, topk_idx, weights, gpu)
+    if args.sweep and gpu and "nvlink" in backends:
+        report["nvlink_shape_sweep"] = shape_sweep(group, args, x, topk_idx, weights, size)
     return report
 
 

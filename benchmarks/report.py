@@ -157,6 +157,10 @@ def print_low_latency(report: dict) -> None:
             print(f"{f'{name}: {kind}, host CPU per call, back to back':<70}"
                   f"{m[f'{kind}_host_back_to_back_us']:>12.1f}")
     print(f"{'host yardstick: torch add_ per call, back to back':<70}{report['torch_add_host_back_to_back_us']:>12.1f}")
+    for variant in report.get("nvlink_shape_sweep", []):
+        times = variant.get("error") or (f"dispatch {variant['dispatch_graph_us']:.1f} us, "
+                                         f"combine {variant['combine_graph_us']:.1f} us (CUDA graph replay)")
+        print(f"tritonep shapes: {variant['change']}: {times}")
     traffic = report.get("internode_traffic")
     if traffic:
         print(f"nodes of {traffic['gpus_per_node']}: rows per rank (largest rank) {traffic['network_rows']:.0f} over "

@@ -82,6 +82,21 @@ def test_report_puts_the_link_ceiling_in_the_table(capsys, tmp_path) -> None:
     assert report.ceiling_nvl_gbps(dict(made_up, link_ceiling={"skipped": "one rank: no peers"})) is None
 
 
+def test_low_latency_table_lists_each_launch_shape(capsys) -> None:
+    """``--sweep``'s low-latency launch shapes: one line each, a failed variant with its error."""
+    times = dict(graph_us=30.0, profiled_us=31.0, us=35.0, send_us=20.0, recv_us=15.0, host_us=20.0,
+                 host_back_to_back_us=15.0)
+    nvlink = {f"{kind}_{key}": value for kind in ("dispatch", "combine") for key, value in times.items()}
+    made_up = dict(ranks=4, tokens=128, hidden=7168, experts=288, topk=8, dispatch_bytes=7e6, combine_bytes=14e6,
+                   torch_add_host_back_to_back_us=10.0, nvlink=dict(nvlink, pair_us=70.0),
+                   nvlink_shape_sweep=[{"change": "defaults", "dispatch_graph_us": 35.2, "combine_graph_us": 47.3},
+                                       {"change": {"TRITONEP_LL_WARPS": "16"}, "error": "RuntimeError: no room"}])
+    report.print_low_latency(made_up)
+    table = capsys.readouterr().out
+    assert "tritonep shapes: defaults: dispatch 35.2 us, combine 47.3 us (CUDA graph replay)" in table
+    assert "tritonep shapes: {'TRITONEP_LL_WARPS': '16'}: RuntimeError: no room" in table
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4),
                     reason="Triton 3.6's interpreter needs numpy<2.4 for loops with runtime bounds")
