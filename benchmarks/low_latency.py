@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,10 +47,20 @@ SWEEP_VARIANTS = ({}, {"TRITONEP_LL_PROGRAMS_PER_SM": "1"}, {"TRITONEP_LL_PROGRA
                   {"TRITONEP_LL_COMBINE_PROGRAMS_PER_SM": "2"}, {"TRITONEP_LL_COMBINE_WARPS": "8"})
 
 
+class WarmCalls(NamedTuple):
+    """A Buffer's timed calls (``CALLS`` by name, and the pair), and what the combines take."""
+
+    dispatch: Callable[[], object]
+    combine: Callable[[], object]
+    pair: Callable[[], object]
+    handle: object             # the first dispatch's, which ``combine`` combines
+    expert_out: torch.Tensor   # the experts' stand-in output that the combines send back
+
+
 def _warm_calls(buffer: object, args: argparse.Namespace, x: torch.Tensor, topk_idx: torch.Tensor,
-                weights: torch.Tensor, group: dist.ProcessGroup) -> dict:
-    """{"dispatch", "combine", "pair"}: the timed calls on ``buffer``, each made three times, so
-    that they are compiled and on their repeat paths before any capture or timing."""
+                weights: torch.Tensor, group: dist.ProcessGroup) -> WarmCalls:
+    """The timed calls on ``buffer``, each made three times, so that they are compiled and on
+    their repeat paths before any capture or timing."""
     T, E = args.ll_tokens, args.ll_experts
     packed, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
     expert_out = inputs.expert_output(packed[0].shape, group.rank(), x.device)
@@ -57,13 +69,13 @@ def _warm_calls(buffer: object, args: argparse.Namespace, x: torch.Tensor, topk_
         pair_handle = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)[2]
         return buffer.low_latency_combine(expert_out, topk_idx, weights, pair_handle)
 
-    calls = {"dispatch": lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True),
-             "combine": lambda: buffer.low_latency_combine(expert_out, topk_idx, weights, handle), "pair": pair,
-             "handle": handle, "expert_out": expert_out}
+    warm = WarmCalls(lambda: buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True),
+                     lambda: buffer.low_latency_combine(expert_out, topk_idx, weights, handle), pair, handle,
+                     expert_out)
     for _ in range(3):
-        for name in ("dispatch", "combine", "pair"):
-            calls[name]()
-    return calls
+        for call in (warm.dispatch, warm.combine, warm.pair):
+            call()
+    return warm
 
 
 def shape_sweep(group: dist.ProcessGroup, args: argparse.Namespace, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -76,8 +88,9 @@ def shape_sweep(group: dist.ProcessGroup, args: argparse.Namespace, x: torch.Ten
             buffer = make_buffer(group, "nvlink", env, num_rdma_bytes=size, low_latency_mode=True,
                                  explicitly_destroy=True)
             try:
-                calls = _warm_calls(buffer, args, x, topk_idx, weights, group)
-                return {f"{name}_graph_us": timing.graph_us(group, calls[name], args.iters) for name in CALLS}
+                warm = _warm_calls(buffer, args, x, topk_idx, weights, group)
+                return {f"{name}_graph_us": timing.graph_us(group, getattr(warm, name), args.iters)
+                        for name in CALLS}
             finally:
                 buffer.destroy()
         results.append({"change": env or "defaults", **guarded(graph_times)})
@@ -88,9 +101,7 @@ def measure(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, 
             topk_idx: torch.Tensor, weights: torch.Tensor, graphs: bool) -> dict:
     """``buffer``: a tritonep or DeepEP Buffer in low-latency mode (the same API)."""
     T, E, iters = args.ll_tokens, args.ll_experts, args.iters
-    warm = _warm_calls(buffer, args, x, topk_idx, weights, group)
-    dispatch, combine, pair = warm["dispatch"], warm["combine"], warm["pair"]
-    handle, expert_out = warm["handle"], warm["expert_out"]
+    dispatch, combine, pair, handle, expert_out = _warm_calls(buffer, args, x, topk_idx, weights, group)
     pending: list = []
 
     def dispatch_send() -> None:
