@@ -25,7 +25,7 @@ def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -
     dist.barrier(group=group)
     memory = backend.memory
     first = memory.signals.dispatch_done
-    done = memory.local[: memory.data_offset].view(torch.int64)[first: first + group.size()].tolist()
+    done = memory.signal_words()[first: first + group.size()].tolist()
     released = backend.normal.state.dispatch_released
     return all(count == released for peer, count in enumerate(done) if peer != group.rank())
 
