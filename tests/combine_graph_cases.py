@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from deep_ep_user import dispatch_with_layout
 from nvlink_cases import Case, bf16_mismatch, combine_rounding, make_inputs, shared_buffers
 
 import tritonep as deep_ep
@@ -23,12 +24,9 @@ import tritonep as deep_ep
 
 def _dispatched(buffer: deep_ep.Buffer, inputs: dict, case: Case, device: torch.device) -> tuple:
     """(recv_x, recv_topk_weights, handle) of a fresh dispatch of ``inputs`` on ``buffer``."""
-    topk_idx, topk_weights = inputs["topk_idx"].to(device), inputs["topk_weights"].to(device)
-    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, case.num_experts)
-    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
-        inputs["x"].to(device), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-        config=deep_ep.Config(case.num_sms))
+    recv_x, _, recv_weights, _, handle, _ = dispatch_with_layout(
+        buffer, inputs["x"].to(device), inputs["topk_idx"].to(device), inputs["topk_weights"].to(device),
+        case.num_experts, config=deep_ep.Config(case.num_sms))
     return recv_x, recv_weights, handle
 
 
