@@ -105,32 +105,47 @@ THREAD_STOP_S = 5.0
 
 class CompileClock:
     """Counts the Triton kernels compiled (or loaded from Triton's disk cache) in this process
-    while it is entered, and the seconds they took: Triton's compile hooks, chained."""
+    while it is entered, and the seconds they took: Triton's compile hooks, chained.
+
+    A hook installed while the clock runs may chain to the clock's (tritonep wraps NVSHMEM
+    kernels on their first launch, and torch's NVSHMEM set-up must then run for every module
+    compiled later). So on exit the clock puts the earlier hooks back only where its own are
+    still in place; elsewhere its hooks stay in the chain and just pass the call on."""
 
     def __init__(self) -> None:
         self.count, self.seconds, self._start = 0, 0.0, 0.0
+        self._counting = False
 
     def __enter__(self) -> CompileClock:
         from triton import knobs
 
         self._saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+        self._counting = True
 
         def before(**kwargs: Any) -> bool:
-            self._start = time.perf_counter()
+            if self._counting:
+                self._start = time.perf_counter()
             return bool(self._saved[0] and self._saved[0](**kwargs))
 
         def after(**kwargs: Any) -> Any:
-            self.count += 1
-            self.seconds += time.perf_counter() - self._start
+            if self._counting:
+                self.count += 1
+                self.seconds += time.perf_counter() - self._start
             return self._saved[1](**kwargs) if self._saved[1] else None
 
+        self._hooks = before, after
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
         return self
 
     def __exit__(self, *exc: object) -> None:
         from triton import knobs
 
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+        self._counting = False
+        before, after = self._hooks
+        if knobs.runtime.jit_cache_hook is before:
+            knobs.runtime.jit_cache_hook = self._saved[0]
+        if knobs.runtime.jit_post_compile_hook is after:
+            knobs.runtime.jit_post_compile_hook = self._saved[1]
 
 
 def run_batch(group: dist.ProcessGroup, cases: list[Any], oracle: Callable[[Any], Any],

@@ -79,3 +79,36 @@ def test_a_failed_case_stops_the_oracles_and_the_pool_starts_afresh(pool: RankPo
         assert f"--- rank {rank} ---\nRuntimeError: {case}: ValueError: planted comparison failure" in message, message
     assert not pool.running
     check_batch(pool, _sums, list(range(4)))
+
+
+def test_a_hook_installed_during_a_batch_outlives_it() -> None:
+    """The compile clock gives back Triton's hooks as it found them, except where a hook was
+    chained onto its own meanwhile (NVSHMEM kernels wrapped on their first launch): that chain
+    stays, so later batches still run torch's NVSHMEM set-up for the modules they compile."""
+    from case_batches import CompileClock
+    from triton import knobs
+
+    calls: list[str] = []
+    saved = knobs.runtime.jit_post_compile_hook
+    try:
+        knobs.runtime.jit_post_compile_hook = lambda **kwargs: calls.append("earlier")
+        with CompileClock() as clock:
+            clock_hook = knobs.runtime.jit_post_compile_hook
+
+            def setup(**kwargs):   # as device/nvshmem.py chains torch's set-up onto the hook it finds
+                calls.append("set-up")
+                return clock_hook(**kwargs)
+
+            knobs.runtime.jit_post_compile_hook = setup
+            knobs.runtime.jit_post_compile_hook()
+        assert knobs.runtime.jit_post_compile_hook is setup
+        assert clock.count == 1 and calls == ["set-up", "earlier"]
+        knobs.runtime.jit_post_compile_hook()   # after the batch: passed on, not counted
+        assert clock.count == 1 and calls == ["set-up", "earlier"] * 2
+
+        knobs.runtime.jit_post_compile_hook = earlier = saved
+        with CompileClock():
+            pass
+        assert knobs.runtime.jit_post_compile_hook is earlier
+    finally:
+        knobs.runtime.jit_post_compile_hook = saved

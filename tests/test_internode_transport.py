@@ -185,6 +185,41 @@ def test_nvshmem_wrap_keeps_an_earlier_post_compile_hook(tmp_path, monkeypatch: 
     assert seen == ["k"]
 
 
+def test_nvshmem_launch_chains_the_set_up_again_after_a_hook_replaced_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook set after the first wrap (a profiler's; the tests' compile clock once put back the
+    hook it had found) drops torch's NVSHMEM set-up from the chain, and a module compiled after
+    that faults on its first NVSHMEM call. The next launch's wrap chains the set-up again. A
+    stand-in for torch's module (its CPU builds lack ``requires_nvshmem``) sets the hook as
+    torch's does."""
+    from types import SimpleNamespace
+
+    from tritonep.device import nvshmem
+
+    set_up, seen = [], []
+
+    def init_hook(**kwargs):
+        set_up.append(kwargs["key"])
+
+    def requires_nvshmem(kernel):
+        triton.knobs.runtime.jit_post_compile_hook = init_hook
+        return SimpleNamespace(kernel=kernel)
+
+    torch_module = SimpleNamespace(requires_nvshmem=requires_nvshmem, _nvshmem_init_hook=init_hook)
+    monkeypatch.setattr(nvshmem, "_torch_nvshmem", torch_module)
+    monkeypatch.setattr(nvshmem, "_NVSHMEM_KERNELS", {})
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)
+    nvshmem.nvshmem_kernel(_hook_probe_a)
+    assert triton.knobs.runtime.jit_post_compile_hook is init_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kwargs: seen.append(kwargs["key"])
+    nvshmem.nvshmem_kernel(_hook_probe_a)
+
+    class Compiled:
+        jit_function = _hook_probe_a
+
+    triton.knobs.runtime.jit_post_compile_hook(fn=Compiled(), key="k", compile={"device": 0})
+    assert set_up == ["k"] and seen == ["k"]
+
+
 def _skip_shared_gpus(pool) -> None:
     if pool.num_ranks > torch.cuda.device_count():
         pytest.skip("NVSHMEM refuses ranks sharing a GPU; the plain-stores tests cover them")

@@ -103,6 +103,14 @@ def nvshmem_kernel(kernel: triton.runtime.JITFunction):
         wrapped = _NVSHMEM_KERNELS[kernel] = _torch_nvshmem.requires_nvshmem(kernel)
         wrapped.arg_names = kernel.arg_names
         _keep_post_compile_hook(earlier_hook)
+    else:
+        current = triton.knobs.runtime.jit_post_compile_hook
+        if current is not _torch_nvshmem._nvshmem_init_hook and not getattr(current, "runs_nvshmem_setup", False):
+            # A hook set since the first wrap (a profiler's, a test's compile clock) replaced the
+            # chain: a module compiled now would miss torch's set-up and fault on its first
+            # NVSHMEM call. Chain the set-up again in front of that hook.
+            triton.knobs.runtime.jit_post_compile_hook = _torch_nvshmem._nvshmem_init_hook
+            _keep_post_compile_hook(current)
     return wrapped
 
 
