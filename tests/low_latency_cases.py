@@ -442,8 +442,8 @@ def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, vic
              for name, device in (("nvlink", nvlink.device), ("cpu", torch.device("cpu")))}
     # The oracle first, while every rank is alive: round 0 unmasked, then the victim masked.
     dropped = symmetric_masks(size, (victim,))[rank]
-    expected = [_round(cpu, case, make_inputs(case, rank, index), torch.device("cpu"), stats["cpu"],
-                       dropped if index else None) for index in range(case.calls)]
+    expected = [to_device(_round(cpu, case, make_inputs(case, rank, index), torch.device("cpu"), stats["cpu"],
+                                 dropped if index else None), nvlink.device) for index in range(case.calls)]
     problems = []
     got = _round(nvlink, case, make_inputs(case, rank, 0), nvlink.device, stats["nvlink"])
     for key in expected[0]:
