@@ -173,7 +173,7 @@ class CombineReplay(_HandleReplay):
         # No expert ids (V1's weights, or none): their place holds x's address, rewritten per call.
         self.ids_placeholder = self.args[_C_TOPK_IDX] == x.data_ptr()
         # Captured side work by (x address, weights address or x's), and the last call's.
-        self.graphs: dict[tuple[int, int], Any] = {}
+        self.graphs: dict[tuple[int, int], int] = {}
         self.last_addresses = (x.data_ptr(), x.data_ptr() if topk_weights is None else topk_weights.data_ptr())
 
     def __del__(self) -> None:
@@ -235,7 +235,7 @@ class CombineReplay(_HandleReplay):
         state.combine_released = released + self.reducers
         return out, out_weights
 
-    def _side_graph(self, x: torch.Tensor, topk_weights: torch.Tensor | None, addresses: tuple[int, int]) -> Any:
+    def _side_graph(self, x: torch.Tensor, topk_weights: torch.Tensor | None, addresses: tuple[int, int]) -> int | None:
         """The graph of this call's copy-engine side work: known, or captured now when the last
         call came with the same addresses; else None (the side work is issued op by op)."""
         graph = self.graphs.get(addresses)
