@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from . import inputs
-from .internals import DriverCalls, PeerStreams, driver_result, init_one_rank_gpu_group
+from .internals import DriverCalls, PeerStreams, driver_result, init_one_rank_gpu_group, raw_current_stream
 
 CALLS, ROUNDS, WARMUP = 200, 25, 20
 
@@ -126,7 +126,7 @@ def fork_join_rows(bindings: object, calls: DriverCalls, device: torch.device) -
     start, done = (driver_result(bindings.cuEventCreate(2), "event creation") for _ in range(2))
 
     def cuda_bindings_fork_join() -> None:
-        caller = torch.cuda.current_stream().cuda_stream
+        caller = raw_current_stream()
         driver_result(bindings.cuEventRecord(start, caller), "event record")
         driver_result(bindings.cuStreamWaitEvent(side_raw, start, 0), "stream wait")
         driver_result(bindings.cuGraphLaunch(graph, side_raw), "graph launch")
@@ -134,8 +134,9 @@ def fork_join_rows(bindings: object, calls: DriverCalls, device: torch.device) -
         driver_result(bindings.cuStreamWaitEvent(caller, done, 0), "stream wait")
 
     def peer_streams_fork_join() -> None:
-        streams.fork_graph(graph_raw)
-        streams.join()
+        caller = raw_current_stream()
+        streams.fork_graph(graph_raw, caller)
+        streams.join(caller)
 
     result = {"fork + join, 5 cuda-bindings calls": per_call_us(cuda_bindings_fork_join, calls=100),
               "fork + join, PeerStreams (ctypes)": per_call_us(peer_streams_fork_join, calls=100)}

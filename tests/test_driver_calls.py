@@ -87,12 +87,15 @@ def _graph_streams(monkeypatch: pytest.MonkeyPatch, library: _FakeLibcuda) -> Pe
 def test_graph_fork_and_join_are_five_driver_calls_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     library = _FakeLibcuda()
     streams = _graph_streams(monkeypatch, library)
-    streams.fork_graph(99)
-    streams.join()
+    streams.fork_graph(99, 5)
+    streams.join(5)
     assert library.calls == [("cuEventRecord", 11, 5), ("cuStreamWaitEvent", 7, 11, 0), ("cuGraphLaunch", 99, 7),
                              ("cuEventRecord", 12, 7), ("cuStreamWaitEvent", 5, 12, 0)]
+    streams.fork_graph(99, 5)
+    streams.join()   # the current stream's handle looked up: the same caller
+    assert library.calls[5:] == library.calls[:5]
     streams.join()   # nothing forked since: no call
-    assert len(library.calls) == 5
+    assert len(library.calls) == 10
 
 
 def test_failed_graph_launch_raises_and_stops_the_fork(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,5 +103,5 @@ def test_failed_graph_launch_raises_and_stops_the_fork(monkeypatch: pytest.Monke
     streams = _graph_streams(monkeypatch, library)
     library.results = [0, 0, 1]
     with pytest.raises(DriverError, match="graph launch failed: CUDA_ERROR_INVALID_VALUE"):
-        streams.fork_graph(99)
+        streams.fork_graph(99, 5)
     assert [call[0] for call in library.calls] == ["cuEventRecord", "cuStreamWaitEvent", "cuGraphLaunch"]

@@ -110,14 +110,14 @@ class PeerStreams:
         finally:
             driver_result(bindings.cuGraphDestroy(graph), "graph destruction")
 
-    def fork_graph(self, graph: int) -> None:
+    def fork_graph(self, graph: int, caller: int) -> None:
         """Launch ``graph`` (from ``capture``) on the first side stream, after everything already
-        queued on the current stream: four driver calls."""
+        queued on the current stream, ``caller`` (its raw handle): four driver calls."""
         driver = self.driver
         check = driver.check
         start, done = self._graph_events
         side = self._graph_stream
-        check(driver.cuEventRecord(start, raw_current_stream()), "event record")
+        check(driver.cuEventRecord(start, caller), "event record")
         check(driver.cuStreamWaitEvent(side, start, 0), "stream wait")
         check(driver.cuGraphLaunch(graph, side), "graph launch")
         check(driver.cuEventRecord(done, side), "event record")
@@ -127,8 +127,9 @@ class PeerStreams:
         """Free ``graph`` (a launch still running finishes first: the driver frees it after)."""
         self.driver.check(self.driver.cuGraphExecDestroy(graph), "graph destruction")
 
-    def join(self) -> None:
-        """The current stream waits for every job and graph forked since the last ``join``."""
+    def join(self, caller: int | None = None) -> None:
+        """The current stream waits for every job and graph forked since the last ``join``.
+        ``caller``: the current stream's raw handle, when the caller has it at hand."""
         if self._gpu and self._forked:
             stream = current_stream()
             for done in self._done[: self._forked]:
@@ -136,5 +137,7 @@ class PeerStreams:
         self._forked = 0
         if self._graph_forked:
             driver = self.driver
-            driver.check(driver.cuStreamWaitEvent(raw_current_stream(), self._graph_events[1], 0), "stream wait")
+            if caller is None:
+                caller = raw_current_stream()
+            driver.check(driver.cuStreamWaitEvent(caller, self._graph_events[1], 0), "stream wait")
             self._graph_forked = False

@@ -215,10 +215,11 @@ class CombineReplay(_HandleReplay):
         state = self.state
         epoch = state.combine_epoch = state.combine_epoch + 1
         released = state.combine_released
+        stream = current_stream()
         if self.pieces:
             graph = self._side_graph(x, topk_weights, addresses)
             if graph is not None:
-                state.peer_streams.fork_graph(graph)
+                state.peer_streams.fork_graph(graph, stream)
             else:
                 self.copier.fork(x, topk_weights, self.copies, self.rank_prefix_matrix, self.regions, self.pieces)
         args = self.args
@@ -229,9 +230,9 @@ class CombineReplay(_HandleReplay):
         args[_C_OUT] = out.data_ptr()
         args[_C_OUT_WEIGHTS] = args[_C_OUT] if out_weights is None else out_weights.data_ptr()
         args[_C_EPOCH], args[_C_RELEASED] = epoch, released
-        self.launch(current_stream(), args)
+        self.launch(stream, args)
         if self.pieces:
-            state.peer_streams.join()
+            state.peer_streams.join(stream)
         state.combine_released = released + self.reducers
         return out, out_weights
 
