@@ -105,3 +105,18 @@ def test_failed_graph_launch_raises_and_stops_the_fork(monkeypatch: pytest.Monke
     with pytest.raises(DriverError, match="graph launch failed: CUDA_ERROR_INVALID_VALUE"):
         streams.fork_graph(99, 5)
     assert [call[0] for call in library.calls] == ["cuEventRecord", "cuStreamWaitEvent", "cuGraphLaunch"]
+
+
+def test_cuda_bindings_failure_names_the_cuda_result() -> None:
+    import enum
+
+    from tritonep.runtime.driver_calls import driver_result
+
+    class CUresult(enum.IntEnum):   # how cuda-bindings returns a status
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_NOT_PERMITTED = 800
+
+    assert driver_result((CUresult.CUDA_SUCCESS, "graph"), "graph instantiation") == "graph"
+    assert driver_result((CUresult.CUDA_SUCCESS,), "graph destruction") is None
+    with pytest.raises(DriverError, match=r"graph capture failed: CUDA_ERROR_NOT_PERMITTED \(800\)"):
+        driver_result((CUresult.CUDA_ERROR_NOT_PERMITTED, None), "graph capture")

@@ -54,8 +54,9 @@ class DriverError(RuntimeError):
 def driver_result(result: tuple, what: str) -> Any:
     """The value a cuda-bindings driver call returned (None when it returns only its status);
     raises if the call failed."""
-    if result[0] != 0:   # CUresult.CUDA_SUCCESS
-        raise DriverError(what, int(result[0]), getattr(result[0], "name", repr(result[0])))
+    code = result[0]
+    if code != 0:   # CUresult.CUDA_SUCCESS
+        raise DriverError(what, int(getattr(code, "value", code)), getattr(code, "name", repr(code)))
     return result[1] if len(result) > 1 else None
 
 

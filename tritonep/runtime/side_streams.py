@@ -91,8 +91,8 @@ class PeerStreams:
         bindings = driver.bindings
         self._ensure_streams(1)
         if self._branch is None:
-            self._branch = torch.cuda.Stream()
             self._graph_events = (driver.new_event(), driver.new_event())
+            self._branch = torch.cuda.Stream()
         stream = self._streams[0]
         self._graph_stream = stream.cuda_stream
         current = current_stream_ids()
