@@ -116,7 +116,7 @@ def measure(calls: int) -> dict[str, tuple[float, float]]:
                  expert_layout_kernel._EXPERT_LAYOUT)
     rows = {}
     try:
-        with launches_faked(launchers, RecordedLaunch, (replay, layout_kernel)):
+        with launches_faked(launchers, RecordedLaunch, (replay, layout_kernel, expert_layout_kernel)):
             for name, (v1_call, v2_call) in pairs.items():
                 v1_call(), v2_call()   # the general paths learn what the repeats replay
                 RecordedLaunch.log = []
