@@ -202,3 +202,38 @@ def test_gpu_kernel_matches_the_definition(gpu_pool) -> None:
     for cases in ((SHAPES,), (LARGE_SHAPES, LARGE_ROUTINGS, LARGE_ALIGNMENTS)):
         for rank, problems in enumerate(gpu_pool.run(layout_problems, *cases)):
             assert problems == [], f"rank {rank}:\n" + "\n".join(problems[:20])
+
+
+def test_learnt_launch_takes_each_call_s_arguments() -> None:
+    """After a setup's first call, ExpertLayouts repeats the launch it learnt (as on GPUs; here
+    faked and recorded): each repeat carries the call's own tensors and sizes in the per-call
+    places, and the first call's fixed arguments and constants in the others."""
+    from recorded_launches import RecordedLaunch, launches_faked
+
+    from tritonep.backends.nvlink.normal import expert_layout_kernel
+    from tritonep.backends.nvlink.normal.shape import Placeholders
+
+    shape, rank, alignment = (3, 2, 3, 9, 3), 1, 16
+    num_ranks, experts_per_rank, num_topk, T, _ = shape
+    placeholders = Placeholders(torch.device("cpu"))
+    layouts = expert_layout_kernel.ExpertLayouts(rank, num_ranks, placeholders)
+    RecordedLaunch.log = []
+    with launches_faked((expert_layout_kernel._EXPERT_LAYOUT,), RecordedLaunch, (expert_layout_kernel,)):
+        for case, (copy, stats) in enumerate(((True, None), (False, torch.zeros(experts_per_rank, dtype=torch.int32)),
+                                              (True, torch.zeros(experts_per_rank, dtype=torch.int32)))):
+            world = one_rank_of_world(case, "random", num_ranks, experts_per_rank, num_topk, T, rank, True)
+            request = request_of(world, shape, alignment, None, copy, stats)
+            got = layouts(request, world["exchange"], world["send_pos"], 0)
+            stats_of_call = stats if stats is not None else placeholders(torch.int32)
+            copy_of_call = got.topk_idx if copy else placeholders(torch.int64)
+            per_call = [tensor.data_ptr() for tensor in (
+                world["exchange"], world["send_pos"], world["recv_src"], world["recv_idx"], world["weights"],
+                world["topk_idx"], stats_of_call, got.block, copy_of_call)]
+            per_call += [world["recv_idx"].shape[0], world["topk_idx"].shape[0], 0, alignment, int(stats is not None),
+                         int(copy)]
+            learner, _, args = RecordedLaunch.log[-1]
+            assert list(args[:15]) == per_call, case
+            assert (learner is None) == (case == 0), "the first call learns, the later ones repeat"
+            assert args[15:] == RecordedLaunch.log[0][2][15:], case
+            assert (got.topk_idx is world["topk_idx"]) != copy
+    assert len(RecordedLaunch.log) == 3
