@@ -135,7 +135,7 @@ def request_of(world: dict, shape: tuple[int, int, int, int, int], alignment: in
 def case_problems(case: int, shape: tuple[int, int, int, int, int], routing: str, alignment: int, expand: bool,
                   exact_rows: bool, device: torch.device, calls: int) -> list[str]:
     """The kernel's layout against the definition's for one rank of one world, ``calls`` times."""
-    from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout as kernel_layout
+    from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
     from tritonep.backends.nvlink.normal.shape import Placeholders
 
     num_ranks, experts_per_rank, num_topk, T, _ = shape
@@ -154,12 +154,14 @@ def case_problems(case: int, shape: tuple[int, int, int, int, int], routing: str
     on = {name: value.to(device) for name, value in world.items() if isinstance(value, torch.Tensor)}
     got_stats = None if stats is None else stats.to(device)
     problems = []
+    # One engine's layouts: on GPUs the calls after the first repeat the launch it learnt.
+    kernel_layout = ExpertLayouts(rank, num_ranks, Placeholders(device))
     for call in range(calls):
         # On CPUs, outputs the kernel leaves unwritten hold garbage, not zeros (torch fills new
         # tensors under deterministic algorithms).
         with deterministic(device.type == "cpu"):
             got = kernel_layout(request_of(on, shape, alignment, num_expanded if expand else None, copy, got_stats),
-                                on["exchange"], on["send_pos"], rank, num_ranks, Placeholders(device), 0)
+                                on["exchange"], on["send_pos"], 0)
         where = f"{shape} {routing} align={alignment} expand={expand} exact_rows={exact_rows} call {call}"
         for name in FIELDS:
             a, b = getattr(got, name), getattr(expected, name)
@@ -200,3 +202,38 @@ def test_gpu_kernel_matches_the_definition(gpu_pool) -> None:
     for cases in ((SHAPES,), (LARGE_SHAPES, LARGE_ROUTINGS, LARGE_ALIGNMENTS)):
         for rank, problems in enumerate(gpu_pool.run(layout_problems, *cases)):
             assert problems == [], f"rank {rank}:\n" + "\n".join(problems[:20])
+
+
+def test_learnt_launch_takes_each_call_s_arguments() -> None:
+    """After a setup's first call, ExpertLayouts repeats the launch it learnt (as on GPUs; here
+    faked and recorded): each repeat carries the call's own tensors and sizes in the per-call
+    places, and the first call's fixed arguments and constants in the others."""
+    from recorded_launches import RecordedLaunch, launches_faked
+
+    from tritonep.backends.nvlink.normal import expert_layout_kernel
+    from tritonep.backends.nvlink.normal.shape import Placeholders
+
+    shape, rank, alignment = (3, 2, 3, 9, 3), 1, 16
+    num_ranks, experts_per_rank, num_topk, T, _ = shape
+    placeholders = Placeholders(torch.device("cpu"))
+    layouts = expert_layout_kernel.ExpertLayouts(rank, num_ranks, placeholders)
+    RecordedLaunch.log = []
+    with launches_faked((expert_layout_kernel._EXPERT_LAYOUT,), RecordedLaunch, (expert_layout_kernel,)):
+        for case, (copy, stats) in enumerate(((True, None), (False, torch.zeros(experts_per_rank, dtype=torch.int32)),
+                                              (True, torch.zeros(experts_per_rank, dtype=torch.int32)))):
+            world = one_rank_of_world(case, "random", num_ranks, experts_per_rank, num_topk, T, rank, True)
+            request = request_of(world, shape, alignment, None, copy, stats)
+            got = layouts(request, world["exchange"], world["send_pos"], 0)
+            stats_of_call = stats if stats is not None else placeholders(torch.int32)
+            copy_of_call = got.topk_idx if copy else placeholders(torch.int64)
+            per_call = [tensor.data_ptr() for tensor in (
+                world["exchange"], world["send_pos"], world["recv_src"], world["recv_idx"], world["weights"],
+                world["topk_idx"], stats_of_call, got.block, copy_of_call)]
+            per_call += [world["recv_idx"].shape[0], world["topk_idx"].shape[0], 0, alignment, int(stats is not None),
+                         int(copy)]
+            learner, _, args = RecordedLaunch.log[-1]
+            assert list(args[:15]) == per_call, case
+            assert (learner is None) == (case == 0), "the first call learns, the later ones repeat"
+            assert args[15:] == RecordedLaunch.log[0][2][15:], case
+            assert (got.topk_idx is world["topk_idx"]) != copy
+    assert len(RecordedLaunch.log) == 3

@@ -346,7 +346,11 @@ class ElasticBuffer:
                 if received is not None:
                     return _dispatch_outputs(received, EventOverlap())
         self._check_alive()
-        checks.check_stream_args(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+        # No event to wait for or to return: the work runs on the caller's stream, with no scope
+        # to enter and no outputs to record (what on_comm_stream would do, less its host cost).
+        plain = previous_event is None and previous_event_before_epilogue is None and not async_with_compute_stream
+        if not plain:
+            checks.check_stream_args(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         checks.check_sms_and_qps(num_sms, num_qps, self.num_allocated_qps)
         call = checks.dispatch_call(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
                                     num_max_tokens_per_rank, expert_alignment, handle, do_cpu_sync, do_expand,
@@ -359,9 +363,11 @@ class ElasticBuffer:
             do_zero_padding=do_zero_padding,
             do_handle_copy=do_handle_copy, col_major_sf=use_tma_aligned_col_major_sf,
             stats=cumulative_local_expert_recv_stats, before_epilogue=previous_event_before_epilogue)
+        run = calls.cached_dispatch if call.handle is not None else calls.fresh_dispatch
+        if plain:
+            return _dispatch_outputs(run(self._engine, call, options), EventOverlap())
         inputs = (call.x, call.scales, call.topk_idx, call.topk_weights, cumulative_local_expert_recv_stats)
         with on_comm_stream(self.backend.comm_stream(), previous_event, async_with_compute_stream, inputs) as scope:
-            run = calls.cached_dispatch if call.handle is not None else calls.fresh_dispatch
             received = run(self._engine, call, options)
             scope.keep(*received.tensors())
         return _dispatch_outputs(received, wrap(scope.event))

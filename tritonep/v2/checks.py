@@ -123,6 +123,11 @@ def _fresh_tensors_fit(x: object, topk_idx: object, topk_weights: object, on_gpu
         and topk_weights.is_contiguous())
 
 
+def _positive_int(value: object) -> bool:
+    """A Python or numpy int > 0 (not a bool); a plain int is told in one read."""
+    return (type(value) is int or is_int(value)) and value > 0   # type: ignore[operator]
+
+
 def _matches(name: str, given: object, cached: int) -> int:
     if not (given is None or given == cached):
         raise InputError(f"cached dispatch: {name}={given!r} differs from the handle's {cached}")
@@ -137,8 +142,8 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
     fits = handle is None and _fresh_tensors_fit(x, topk_idx, topk_weights, device.type == "cuda")
     data, scales = (x, None) if fits else split_x(x, device)   # type: ignore[assignment]
     num_tokens = data.shape[0]
-    require(not do_zero_padding or do_expand, "do_zero_padding zeroes the expanded layout's gaps: it needs "
-                                              "do_expand=True")
+    if do_zero_padding and not do_expand:
+        raise InputError("do_zero_padding zeroes the expanded layout's gaps: it needs do_expand=True")
     if handle is not None:
         handle = check_handle(handle, buffer_id)
         require(topk_idx is None, "cached dispatch (handle given) takes no topk_idx: the handle's is reused")
@@ -156,20 +161,21 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
                              f"{topk_idx.shape[0]}")
         do_cpu_sync = False
     else:
-        require(topk_idx is not None, "dispatch needs topk_idx (or a handle from an earlier dispatch)")
         if not fits:
+            require(topk_idx is not None, "dispatch needs topk_idx (or a handle from an earlier dispatch)")
             checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
             assert isinstance(topk_idx, torch.Tensor)
             require(topk_idx.shape[1] > 0, "topk_idx must have at least one column")
-        require(num_experts is not None, "dispatch without a handle needs num_experts")
-        checks.check_num_experts(num_experts, num_ranks)   # type: ignore[arg-type]
+        if not (type(num_experts) is int and num_experts > 0 and num_experts % num_ranks == 0):
+            require(num_experts is not None, "dispatch without a handle needs num_experts")
+            checks.check_num_experts(num_experts, num_ranks)   # type: ignore[arg-type]
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)   # type: ignore[arg-type]
         num_max_tokens_per_rank = default_max_tokens if num_max_tokens_per_rank is None else num_max_tokens_per_rank
-        if not (is_int(num_max_tokens_per_rank) and num_max_tokens_per_rank > 0):
+        if not _positive_int(num_max_tokens_per_rank):
             raise InputError(f"num_max_tokens_per_rank must be a positive int (give it here or to the ElasticBuffer), "
                              f"got {num_max_tokens_per_rank!r}")
         expert_alignment = 1 if expert_alignment is None else expert_alignment
-        if not (is_int(expert_alignment) and expert_alignment >= 1):
+        if not _positive_int(expert_alignment):
             raise InputError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
         do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
     if num_tokens > num_max_tokens_per_rank:   # type: ignore[operator]

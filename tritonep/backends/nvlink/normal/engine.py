@@ -31,7 +31,7 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
 from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
-from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout
+from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
 from tritonep.backends.nvlink.normal.notify_kernel import check_word
 from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
@@ -62,6 +62,7 @@ class NormalEngine:
         self.counts = CountExchange(self.state, rank, num_ranks)
         self.placeholders = Placeholders(device)
         self.layout = DispatchLayout(num_ranks, self.counts.invalid_ids)
+        self.expert_layouts = ExpertLayouts(rank, num_ranks, self.placeholders)
         self._shapes: dict[tuple, DispatchShape] = {}
         # The copy-engine combine's reducers spin while one-program signal kernels on side
         # streams must still find an SM: leave a few free.
@@ -246,8 +247,7 @@ class NormalEngine:
         """The layout of a fresh dispatch's rows by expert, source and destination, in one launch
         from its count exchange and send plan (``expert_layout_kernel.py``)."""
         plan: SendPlan = request.handle.backend_state
-        return expert_layout(request, plan.exchange, plan.send_pos, self.rank, self.num_ranks, self.placeholders,
-                             self.state.launch_generation)
+        return self.expert_layouts(request, plan.exchange, plan.send_pos, self.state.launch_generation)
 
     def _cached_recv_src(self, plan: SendPlan, rows: int) -> torch.Tensor:
         """Where a cached dispatch's receive half writes the source indices it does not return:

@@ -20,7 +20,8 @@ elements and none waiting for another:
   expert's block (worst-case outputs) between them.
 
 The fields share one int32 block (``core.expert_layout.LayoutSizes`` places them; the kernel
-finds them by the same arithmetic, ``_field_pointers``). The host allocates it and launches;
+finds them by the same arithmetic, ``_field_pointers``). The host allocates it and launches
+(``ExpertLayouts``: after a setup's first call, a learnt launch with the call's addresses);
 nothing is read back, so a ``do_cpu_sync=False`` dispatch stays capturable in a CUDA graph.
 """
 
@@ -34,7 +35,7 @@ from tritonep.backends.nvlink.normal.notify_kernel import source_expert_word
 from tritonep.backends.nvlink.normal.shape import Placeholders
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest, LayoutSizes
 from tritonep.runtime import kernel_names
-from tritonep.runtime.launcher import FastLauncher, next_power_of_2
+from tritonep.runtime.launcher import FastLauncher, aligned, current_stream, next_power_of_2
 
 
 @triton.jit
@@ -279,48 +280,93 @@ class _LayoutShape:
         return _LayoutShape(grid, fixed_args, constants)
 
 
-# Per setup key (the launcher's, launch generation first: a retuned engine gets new entries).
-_SHAPES: dict[tuple, _LayoutShape] = {}
-
-
-def expert_layout(request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos: torch.Tensor, rank: int,
-                  num_ranks: int, placeholders: Placeholders, launch_generation: int) -> ExpertLayout:
-    """``request``'s layout (``core.expert_layout.expert_layout`` gives the same values) in one launch.
+class ExpertLayouts:
+    """One engine's expert layouts (``core.expert_layout.expert_layout`` gives the same values),
+    one launch each. The first call of a setup goes through the launcher, which binds every
+    argument; the launch it returns is kept with its raw argument list, and later calls of the
+    setup rewrite only the per-call arguments (the list's first 15 entries) and repeat it, as
+    ``layout_kernel.DispatchLayout`` does: a fresh V2 dispatch pays for one plain launch.
 
     Arguments:
-        request: a fresh dispatch's outputs and the layout's options.
-        exchange: int32, the dispatch's count-exchange result (``notify_kernel.notify_dispatch``).
-        send_pos: int32 [N + 1, R], the dispatch's send plan: each token's place among those sent to each rank.
         rank, num_ranks: this rank and the group's size.
         placeholders: tensors passed for the outputs a call does not have.
-        launch_generation: stands for the kernel shapes in the setup key (``NormalState``).
-
-    Returns:
-        the ExpertLayout, its tensors filled in stream order (nothing waits for them).
     """
-    handle, recv_idx = request.handle, request.recv_topk_idx
-    num_rows, num_topk = recv_idx.shape
-    num_tokens = request.topk_idx.shape[0]
-    experts_per_rank, num_scaleup, T = request.experts_per_rank, request.num_scaleup_ranks, \
-        request.num_max_tokens_per_rank
-    expand, device = request.num_expanded is not None, recv_idx.device
-    num_expanded = request.num_expanded or 0
-    sizes = LayoutSizes(experts_per_rank, num_scaleup, num_rows, num_topk, num_tokens, request.num_expanded)
-    block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=device)
-    topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) if request.copy_topk_idx \
-        else None
-    setup = (launch_generation, rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand)
-    shape = _SHAPES.get(setup)
-    if shape is None:
-        shape = _SHAPES[setup] = _LayoutShape.make(rank, num_ranks, T, num_topk, experts_per_rank, num_scaleup, expand)
-    stats, int32 = request.stats, placeholders(torch.int32)
-    _EXPERT_LAYOUT(
-        shape.grid, setup,
-        # The kernel's argument groups, in its order.
-        (exchange, send_pos, handle.recv_src_idx, recv_idx, request.recv_topk_weights, request.topk_idx,
-         stats if stats is not None else int32,
-         block, topk_copy if topk_copy is not None else placeholders(torch.int64),
-         num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
-         int(topk_copy is not None), *shape.fixed_args),
-        shape.constants, 4)
-    return ExpertLayout(block, sizes, topk_copy if topk_copy is not None else request.topk_idx)
+
+    def __init__(self, rank: int, num_ranks: int, placeholders: Placeholders) -> None:
+        self.rank, self.num_ranks = rank, num_ranks
+        self._no_stats, self._no_copy = placeholders(torch.int32), placeholders(torch.int64)
+        self._shapes: dict[tuple, _LayoutShape] = {}
+        self._learnt: dict[tuple, list] = {}   # setup -> [compiled launch, its raw argument list]
+
+    def __call__(self, request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos: torch.Tensor,
+                 launch_generation: int) -> ExpertLayout:
+        """``request``'s layout.
+
+        Arguments:
+            request: a fresh dispatch's outputs and the layout's options.
+            exchange: int32, the dispatch's count-exchange result (``notify_kernel.notify_dispatch``).
+            send_pos: int32 [N + 1, R], the dispatch's send plan: each token's place among those
+                sent to each rank.
+            launch_generation: stands for the kernel shapes in the setup key (``NormalState``).
+
+        Returns:
+            the ExpertLayout, its tensors filled in stream order (nothing waits for them).
+        """
+        recv_idx, topk_idx, stats = request.recv_topk_idx, request.topk_idx, request.stats
+        num_rows, num_topk = recv_idx.shape
+        num_tokens = topk_idx.shape[0]
+        experts_per_rank, num_scaleup = request.experts_per_rank, request.num_scaleup_ranks
+        expand, num_expanded = request.num_expanded is not None, request.num_expanded or 0
+        sizes = LayoutSizes(experts_per_rank, num_scaleup, num_rows, num_topk, num_tokens, request.num_expanded)
+        device = recv_idx.device
+        block = torch.empty(sizes.words(), dtype=torch.int32, device=device)
+        topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) \
+            if request.copy_topk_idx else None
+        setup = (launch_generation, self.rank, self.num_ranks, request.num_max_tokens_per_rank, num_topk,
+                 experts_per_rank, num_scaleup, expand)
+        # The per-call arguments, in the kernel's order (``_EXPERT_LAYOUT``'s ``changing``).
+        changing = (exchange.data_ptr(), send_pos.data_ptr(), request.handle.recv_src_idx.data_ptr(),
+                    recv_idx.data_ptr(), request.recv_topk_weights.data_ptr(), topk_idx.data_ptr(),
+                    (stats if stats is not None else self._no_stats).data_ptr(), block.data_ptr(),
+                    (topk_copy if topk_copy is not None else self._no_copy).data_ptr(),
+                    num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
+                    int(topk_copy is not None))
+        learnt = self._learnt.get(setup)
+        if learnt is not None and _repeats(changing):
+            launch, raw = learnt
+            raw[:_CHANGING] = changing
+            launch(current_stream(), raw)
+        else:
+            self._launch(setup, request, exchange, send_pos, block, topk_copy, changing)
+        return ExpertLayout(block, sizes, topk_copy if topk_copy is not None else topk_idx)
+
+    def _launch(self, setup: tuple, request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos: torch.Tensor,
+                block: torch.Tensor, topk_copy: torch.Tensor | None, changing: tuple) -> None:
+        """The launch through the launcher (the first of a setup, or one a learnt launch may not
+        repeat), kept for later calls when they may repeat it."""
+        shape = self._shapes.get(setup)
+        if shape is None:
+            shape = self._shapes[setup] = _LayoutShape.make(
+                self.rank, self.num_ranks, request.num_max_tokens_per_rank, request.recv_topk_idx.shape[1],
+                request.experts_per_rank, request.num_scaleup_ranks, request.num_expanded is not None)
+        stats = request.stats
+        launch = _EXPERT_LAYOUT(
+            shape.grid, setup,
+            # The kernel's argument groups, in its order.
+            (exchange, send_pos, request.handle.recv_src_idx, request.recv_topk_idx, request.recv_topk_weights,
+             request.topk_idx, stats if stats is not None else self._no_stats,
+             block, topk_copy if topk_copy is not None else self._no_copy, *changing[_TENSORS:], *shape.fixed_args),
+            shape.constants, 4)
+        if launch is not None and _repeats(changing) and launch.args[:_CHANGING] == list(changing):
+            self._learnt[setup] = [launch, list(launch.args)]
+
+
+# The per-call arguments: 9 tensors' addresses, then 6 ints.
+_TENSORS, _CHANGING = 9, 15
+
+
+def _repeats(changing: tuple) -> bool:
+    """A learnt launch may take these per-call arguments: its pointers were 16-byte aligned
+    (Triton specialises on it) and its ints, none specialised on, are 32-bit (Triton types
+    larger ones as i64)."""
+    return aligned(*changing[:_TENSORS]) and max(changing[_TENSORS:]) < 2**31
