@@ -1,5 +1,5 @@
-"""The SM side of the link ceiling (``ceiling.py``): one Triton kernel in which every program
-stores a contiguous span of one peer's words straight into that peer's memory."""
+"""The SM side of the link ceiling (``ceiling.py``): one Triton kernel in which the programs of
+each peer store that peer's words, block by block, straight into the peer's memory."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ WARPS = 16
 
 @triton.jit
 def _push_kernel(sources_ptr, targets_ptr, words_per_peer, num_peers, BLOCK: tl.constexpr):
+    # The programs of one peer take its blocks in turn (block part, part + P, part + 2P, ...)
+    # rather than a contiguous span each: at the same program count the strided order carries
+    # more bytes over NVLink (docs/findings.md), and a ceiling must be the best the SMs reach.
     programs_per_peer = tl.num_programs(0) // num_peers
     peer = tl.program_id(0) // programs_per_peer
     part = tl.program_id(0) % programs_per_peer
-    span = tl.cdiv(tl.cdiv(words_per_peer, programs_per_peer), BLOCK) * BLOCK
-    begin = part * span
-    end = tl.minimum(begin + span, words_per_peer)
     target = tl.load(targets_ptr + peer).to(tl.pointer_type(tl.int64))
     source = sources_ptr + peer.to(tl.int64) * words_per_peer
-    for start in range(begin, end, BLOCK):
+    for start in range(part * BLOCK, words_per_peer, programs_per_peer * BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < end
+        mask = offsets < words_per_peer
         tl.store(target + offsets, tl.load(source + offsets, mask=mask), mask=mask)
 
 
