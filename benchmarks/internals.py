@@ -2,11 +2,7 @@
 internals move, this module is the one to follow them. The rest of ``benchmarks`` uses
 tritonep's public API only (``Buffer``, ``Config``, ``utils``).
 
-* ``RankPool``: R rank processes in one process group (gloo on CPUs, NCCL with a GPU each);
-  ``init_one_rank_gpu_group``: a one-rank NCCL group in this process.
-* ``DriverCalls``, ``driver_result``, ``PeerStreams``, ``raw_current_stream``: the CUDA driver
-  calls, the side streams and the current stream's raw handle, which ``driver_calls.py`` times
-  against cuda-bindings and torch.
+* ``RankPool``: R rank processes in one process group (gloo on CPUs, NCCL with a GPU each).
 * ``internode_rdma_bytes``: the internode backend's heap size for a normal-mode problem
   (``layout.heap_bytes_for``).
 * The NVLink backend's ``Tuning`` (kernel shapes, the combine's path), reached through
@@ -20,13 +16,9 @@ import dataclasses
 from collections.abc import Iterator
 
 from tritonep.backends.internode.layout import heap_bytes_for as internode_rdma_bytes
-from tritonep.rank_pool import RankPool, init_one_rank_gpu_group
-from tritonep.runtime.driver_calls import DriverCalls, driver_result
-from tritonep.runtime.launcher import current_stream as raw_current_stream
-from tritonep.runtime.side_streams import PeerStreams
+from tritonep.rank_pool import RankPool
 
-__all__ = ["DriverCalls", "PeerStreams", "RankPool", "changed_tuning", "driver_result", "init_one_rank_gpu_group",
-           "internode_rdma_bytes", "raw_current_stream"]
+__all__ = ["RankPool", "changed_tuning", "internode_rdma_bytes"]
 
 
 @contextlib.contextmanager

@@ -5,8 +5,8 @@ last call's addresses (``replay.py``), and forks that graph afterwards. ``graph_
 checks the results against the CPU backend while the addresses stay, change, come back and
 outnumber the graphs a replay keeps; ``combine_host_calls`` lists the CUDA calls that one
 replayed combine makes with a graph and without one: the runtime calls and kernel launches the
-profiler records, and the per-call driver calls made through ``DriverCalls`` (ctypes), which the
-profiler leaves out (counted by a stand-in for it that passes each call on).
+profiler records, and the driver calls made through cuda-bindings, which the profiler leaves
+out (counted by a stand-in for the driver module that passes each call on).
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def graph_combines(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> list[s
 
 
 class CountingDriver:
-    """The backend's ``DriverCalls``, passing each ``cu*`` call on and noting its name (the
-    capture's calls go through its ``bindings``, uncounted: no measured call captures)."""
+    """cuda-bindings' driver module, passing each ``cu*`` call on and noting its name."""
 
     def __init__(self, driver: object) -> None:
         self.driver, self.calls = driver, []
@@ -120,8 +119,8 @@ def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> di
                                                nvlink.device)
     config = deep_ep.Config(case.num_sms)
     copier = nvlink.backend.normal.copier
-    # The copies and tail writes go through the copier's driver calls, the graphs' fork and join
-    # through its streams' (the same object): one counting stand-in for both, for this
+    # The copies and tail writes go through the copier's driver, the graphs and the fork and
+    # join through its streams' (the same module): one counting stand-in for both, for this
     # function's calls.
     real = copier.driver
     assert real is not None and copier.streams.driver is real, "the combine's pieces do not go through the driver"

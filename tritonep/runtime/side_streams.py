@@ -15,29 +15,36 @@ Side work that repeats exactly (same operations, same addresses, same values) ca
 once as a CUDA graph (``capture``) and forked as one graph launch (``fork_graph``): every
 operation a job issues costs the host microseconds, a graph launch costs about one. The graph
 runs on the first side stream, in order with the jobs forked there. Graphs and their fork and
-join go through the CUDA driver (``driver_calls.DriverCalls``, given at construction: ctypes for
-the per-call records, waits and launches, cuda-bindings for the capture), with two raw events
-made once, so that a fork and join touch no torch object. How a driver call's host cost compares
-with torch's ``Event.record`` and ``Stream.wait_event`` is what ``benchmarks/driver_calls.py``
-measures.
+join go through the CUDA driver (cuda-bindings' ``driver`` module, given at construction), with
+raw events made once: torch's events and stream switches cost several times a driver call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from tritonep.runtime.driver_calls import DriverCalls, driver_result
 from tritonep.runtime.launcher import current_stream as raw_current_stream
 from tritonep.runtime.streams import current_stream, current_stream_ids, set_stream
 
+_EVENT_DISABLE_TIMING = 0x2   # CU_EVENT_DISABLE_TIMING
+
+
+def driver_result(result: tuple, what: str) -> Any:
+    """The value a cuda-bindings driver call returned (None when it returns only its status);
+    raises if the call failed."""
+    if result[0] != 0:   # CUresult.CUDA_SUCCESS
+        raise RuntimeError(f"{what} failed: {result[0]!r}")
+    return result[1] if len(result) > 1 else None
+
 
 class PeerStreams:
-    """Side streams reused by every call of one backend. ``driver``: the CUDA driver's calls,
-    or None (no graphs)."""
+    """Side streams reused by every call of one backend. ``driver``: cuda-bindings' driver
+    module, or None (no graphs)."""
 
-    def __init__(self, device: torch.device, driver: DriverCalls | None = None) -> None:
+    def __init__(self, device: torch.device, driver: Any = None) -> None:
         self._gpu = device.type == "cuda"
         self._streams: list[torch.cuda.Stream] = []
         self._done: list[torch.cuda.Event] = []
@@ -45,8 +52,7 @@ class PeerStreams:
         self._forked = 0
         self.driver = driver if self._gpu else None
         self._branch: torch.cuda.Stream | None = None    # a captured graph's second stream
-        self._graph_stream = 0                           # the first side stream's raw handle
-        self._graph_events = (0, 0)                      # (start, done): raw CUevents, made at the first capture
+        self._graph_events: tuple | None = None          # (start, done): raw driver events
         self._graph_forked = False
 
     def _ensure_streams(self, count: int) -> None:
@@ -82,62 +88,59 @@ class PeerStreams:
             done.record(stream)
         self._forked = max(self._forked, len(jobs))
 
-    def capture(self, body: Callable[[torch.cuda.Stream], None]) -> int:
+    def capture(self, body: Callable[[torch.cuda.Stream], None]) -> Any:
         """The work ``body`` issues, captured (not run) as an executable CUDA graph for
-        ``fork_graph`` (its raw CUgraphExec handle). ``body`` runs with the first side stream
-        current, and is handed a second stream it may fork to with events (and must join back).
-        Capture is local to this thread: other threads' CUDA calls are not affected."""
+        ``fork_graph``. ``body`` runs with the first side stream current, and is handed a second
+        stream it may fork to with events (and must join back). Capture is local to this thread:
+        other threads' CUDA calls are not affected."""
         driver = self.driver
-        bindings = driver.bindings
         self._ensure_streams(1)
         if self._branch is None:
-            self._graph_events = (driver.new_event(), driver.new_event())
             self._branch = torch.cuda.Stream()
         stream = self._streams[0]
-        self._graph_stream = stream.cuda_stream
         current = current_stream_ids()
-        driver_result(bindings.cuStreamBeginCapture(
-            stream.cuda_stream, bindings.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "graph capture")
+        driver_result(driver.cuStreamBeginCapture(
+            stream.cuda_stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "graph capture")
         try:
             set_stream(stream)
             body(self._branch)
         finally:
             set_stream(current)
             # Ends the capture whatever happened, so the stream is usable again.
-            graph = driver_result(bindings.cuStreamEndCapture(stream.cuda_stream), "graph capture")
+            graph = driver_result(driver.cuStreamEndCapture(stream.cuda_stream), "graph capture")
         try:
-            return int(driver_result(bindings.cuGraphInstantiate(graph, 0), "graph instantiation"))
+            return driver_result(driver.cuGraphInstantiate(graph, 0), "graph instantiation")
         finally:
-            driver_result(bindings.cuGraphDestroy(graph), "graph destruction")
+            driver_result(driver.cuGraphDestroy(graph), "graph destruction")
 
-    def fork_graph(self, graph: int, caller: int) -> None:
+    def fork_graph(self, graph: Any) -> None:
         """Launch ``graph`` (from ``capture``) on the first side stream, after everything already
-        queued on the current stream, ``caller`` (its raw handle): four driver calls."""
+        queued on the current stream: four driver calls."""
         driver = self.driver
-        check = driver.check
+        if self._graph_events is None:
+            self._graph_events = tuple(driver_result(driver.cuEventCreate(_EVENT_DISABLE_TIMING), "event creation")
+                                       for _ in range(2))
         start, done = self._graph_events
-        side = self._graph_stream
-        check(driver.cuEventRecord(start, caller), "event record")
-        check(driver.cuStreamWaitEvent(side, start, 0), "stream wait")
-        check(driver.cuGraphLaunch(graph, side), "graph launch")
-        check(driver.cuEventRecord(done, side), "event record")
+        side = self._streams[0].cuda_stream
+        caller = raw_current_stream()
+        driver_result(driver.cuEventRecord(start, caller), "event record")
+        driver_result(driver.cuStreamWaitEvent(side, start, 0), "stream wait")
+        driver_result(driver.cuGraphLaunch(graph, side), "graph launch")
+        driver_result(driver.cuEventRecord(done, side), "event record")
         self._graph_forked = True
 
-    def drop_graph(self, graph: int) -> None:
+    def drop_graph(self, graph: Any) -> None:
         """Free ``graph`` (a launch still running finishes first: the driver frees it after)."""
-        self.driver.check(self.driver.cuGraphExecDestroy(graph), "graph destruction")
+        driver_result(self.driver.cuGraphExecDestroy(graph), "graph destruction")
 
-    def join(self, caller: int | None = None) -> None:
-        """The current stream waits for every job and graph forked since the last ``join``.
-        ``caller``: the current stream's raw handle, when the caller has it at hand."""
+    def join(self) -> None:
+        """The current stream waits for every job and graph forked since the last ``join``."""
         if self._gpu and self._forked:
             stream = current_stream()
             for done in self._done[: self._forked]:
                 stream.wait_event(done)
         self._forked = 0
         if self._graph_forked:
-            driver = self.driver
-            if caller is None:
-                caller = raw_current_stream()
-            driver.check(driver.cuStreamWaitEvent(caller, self._graph_events[1], 0), "stream wait")
+            caller = raw_current_stream()
+            driver_result(self.driver.cuStreamWaitEvent(caller, self._graph_events[1], 0), "stream wait")
             self._graph_forked = False

@@ -39,8 +39,8 @@ class Tuning:
     copy_engine_combine: bool = True
     combine_pieces: int = 0
     combine_piece_ratio: float = 0.6
-    # Those pieces through the CUDA driver (a copy and a stream write per piece, runtime/driver_calls.py)
-    # when cuda-bindings is installed; False: torch's copies and a signal kernel per piece.
+    # Those pieces through the CUDA driver (cuda-bindings: a copy and a stream write per piece)
+    # when it is installed; False: torch's copies and a signal kernel per piece.
     combine_driver: bool = True
     # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
     # as one would without the overlap; for A/B runs).

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton.language as tl
@@ -60,10 +61,9 @@ from tritonep.backends.nvlink.memory import SymmetricBuffer
 from tritonep.device.rows import block_count, block_start
 from tritonep.device.signals import fence_system, publish
 from tritonep.runtime import kernel_names
-from tritonep.runtime.driver_calls import DriverCalls
 from tritonep.runtime.launcher import FastLauncher, current_stream
 from tritonep.runtime.platform import GPU_KERNELS
-from tritonep.runtime.side_streams import PeerStreams
+from tritonep.runtime.side_streams import PeerStreams, driver_result
 from tritonep.runtime.streams import set_stream
 
 
@@ -164,7 +164,7 @@ class CombineCopier:
     __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner", "piece_ratio", "weights_done",
                  "capture_error")
 
-    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: DriverCalls | None, owner: object,
+    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object,
                  piece_ratio: float = 1.0) -> None:
         self.memory, self.rank, self.num_ranks = memory, memory.rank, memory.num_ranks
         self.streams, self.driver, self.owner, self.piece_ratio = streams, driver, owner, piece_ratio
@@ -202,7 +202,7 @@ class CombineCopier:
         return self.driver is not None and self.streams.driver is not None and self.capture_error is None
 
     def capture(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
-                rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> int | None:
+                rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> Any:
         """``fork``'s side work with these tensors, captured as a graph for
         ``streams.fork_graph`` (nothing runs): the weights kernel on a branch of the side
         stream, beside the first copy; the first tail write waits for it. None if the driver
@@ -241,8 +241,8 @@ class CombineCopier:
         return body
 
 
-def driver_memory_operations(device: torch.device) -> DriverCalls | None:
-    """The CUDA driver's calls when cuda-bindings imports and ``device`` supports 64-bit stream
+def driver_memory_operations(device: torch.device) -> Any:
+    """cuda-bindings' ``driver`` module when it imports and ``device`` supports 64-bit stream
     memory operations (``cuStreamWriteValue64``), else None (the torch path is used)."""
     if device.type != "cuda":
         return None
@@ -255,13 +255,12 @@ def driver_memory_operations(device: torch.device) -> DriverCalls | None:
         error, supported = driver.cuDeviceGetAttribute(attribute, device.index or 0)
         if error != driver.CUresult.CUDA_SUCCESS or not supported:
             return None
-    return DriverCalls(driver)
+    return driver
 
 
 def combine_copy_job(x: torch.Tensor, copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor],
                      peer_base_ptrs: torch.Tensor, staging_x: int, tail_index: int, pieces: int, piece_ratio: float,
-                     weights_done: torch.cuda.Event | None, owner: object,
-                     driver: DriverCalls | None = None) -> Callable[[], None]:
+                     weights_done: torch.cuda.Event | None, owner: object, driver: Any = None) -> Callable[[], None]:
     """The side stream's job: every peer's block of ``x`` in ``pieces`` copies (``piece_ends``),
     round by round over the peers, each copy followed by its tail word; the first tail word
     waits for ``weights_done`` (the weights kernel, when there is one).
@@ -295,7 +294,7 @@ def combine_copy_job(x: torch.Tensor, copies: list[tuple[int, int, int, int]], p
 PieceMover = Callable[[int, int, int, int, int, int], None]
 
 
-def _torch_piece(driver: DriverCalls | None, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
+def _torch_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
                  staging_x: int, tail_index: int, owner: object) -> PieceMover:
     """torch's copy of the rows, then the one-program signal kernel."""
     row_bytes = x.shape[1] * x.element_size()
@@ -308,20 +307,20 @@ def _torch_piece(driver: DriverCalls | None, x: torch.Tensor, peers: list[torch.
     return move
 
 
-def _driver_piece(driver: DriverCalls, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
+def _driver_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_base_ptrs: torch.Tensor,
                   staging_x: int, tail_index: int, owner: object) -> PieceMover:
     """Through the driver: the rows' copy, then the tail word written by the stream itself (it
     fences the copy before the write)."""
     row_bytes = x.shape[1] * x.element_size()
     x_address = x.data_ptr()
     bases = [peer.data_ptr() for peer in peers]
-    copy, write, check = driver.cuMemcpyDtoDAsync, driver.cuStreamWriteValue64, driver.check
 
     def move(stream: int, peer: int, src_row: int, dst_row: int, rows: int, so_far: int) -> None:
         base = bases[peer]
-        check(copy(base + staging_x + dst_row * row_bytes, x_address + src_row * row_bytes, rows * row_bytes, stream),
-              "combine's row copy")
-        check(write(stream, base + tail_index * 8, so_far, 0), "combine's tail write")
+        driver_result(driver.cuMemcpyDtoDAsync(base + staging_x + dst_row * row_bytes,
+                                               x_address + src_row * row_bytes, rows * row_bytes, stream),
+                      "combine's row copy")
+        driver_result(driver.cuStreamWriteValue64(stream, base + tail_index * 8, so_far, 0), "combine's tail write")
     return move
 
 

@@ -173,7 +173,7 @@ class CombineReplay(_HandleReplay):
         # No expert ids (V1's weights, or none): their place holds x's address, rewritten per call.
         self.ids_placeholder = self.args[_C_TOPK_IDX] == x.data_ptr()
         # Captured side work by (x address, weights address or x's), and the last call's.
-        self.graphs: dict[tuple[int, int], int] = {}
+        self.graphs: dict[tuple[int, int], Any] = {}
         self.last_addresses = (x.data_ptr(), x.data_ptr() if topk_weights is None else topk_weights.data_ptr())
 
     def __del__(self) -> None:
@@ -215,11 +215,10 @@ class CombineReplay(_HandleReplay):
         state = self.state
         epoch = state.combine_epoch = state.combine_epoch + 1
         released = state.combine_released
-        stream = current_stream()
         if self.pieces:
             graph = self._side_graph(x, topk_weights, addresses)
             if graph is not None:
-                state.peer_streams.fork_graph(graph, stream)
+                state.peer_streams.fork_graph(graph)
             else:
                 self.copier.fork(x, topk_weights, self.copies, self.rank_prefix_matrix, self.regions, self.pieces)
         args = self.args
@@ -230,13 +229,13 @@ class CombineReplay(_HandleReplay):
         args[_C_OUT] = out.data_ptr()
         args[_C_OUT_WEIGHTS] = args[_C_OUT] if out_weights is None else out_weights.data_ptr()
         args[_C_EPOCH], args[_C_RELEASED] = epoch, released
-        self.launch(stream, args)
+        self.launch(current_stream(), args)
         if self.pieces:
-            state.peer_streams.join(stream)
+            state.peer_streams.join()
         state.combine_released = released + self.reducers
         return out, out_weights
 
-    def _side_graph(self, x: torch.Tensor, topk_weights: torch.Tensor | None, addresses: tuple[int, int]) -> int | None:
+    def _side_graph(self, x: torch.Tensor, topk_weights: torch.Tensor | None, addresses: tuple[int, int]) -> Any:
         """The graph of this call's copy-engine side work: known, or captured now when the last
         call came with the same addresses; else None (the side work is issued op by op)."""
         graph = self.graphs.get(addresses)

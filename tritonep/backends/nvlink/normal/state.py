@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tritonep.runtime.driver_calls import DriverCalls
 from tritonep.runtime.side_streams import PeerStreams
 from tritonep.runtime.status import StatusWord
 
@@ -39,7 +39,7 @@ class NormalState:
                  "combine_released", "status", "send_stream", "peer_streams", "launch_generation",
                  "unchecked_padding")
 
-    def __init__(self, device: torch.device, driver: DriverCalls | None = None) -> None:
+    def __init__(self, device: torch.device, driver: Any = None) -> None:
         self.device = device
         self.notify_epoch = 0
         self.dispatch_epoch = 0
@@ -51,7 +51,7 @@ class NormalState:
         # The dispatch's send half runs on a side stream beside its receive half; the copy-engine
         # combine sends each peer's rows on a side stream of its own.
         self.send_stream = PeerStreams(device)
-        # ``driver`` (the CUDA driver's calls, or None) lets the latter replay captured graphs.
+        # ``driver`` (cuda-bindings', or None) lets the latter replay captured graphs.
         self.peer_streams = PeerStreams(device, driver)
         # Stands for the kernel shapes (the engine's Tuning) and this engine's fixed launch
         # arguments in every setup key: launches learnt under another generation are not reused.
