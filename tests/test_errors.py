@@ -654,6 +654,13 @@ def _num_worst_tokens_too_small(group, rank):
     return _dispatch(buffer, x, topk, weights, num_worst_tokens=N)
 
 
+def _v2_max_tokens_differ(group, rank):
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=2 * N, hidden=H, num_topk=K)
+    x, topk, weights = _inputs(rank)
+    return buffer.dispatch(x, topk_idx=topk, topk_weights=weights, num_experts=E, do_cpu_sync=False,
+                           num_max_tokens_per_rank=N + rank)
+
+
 def _cached_hidden_differs(group, rank):
     buffer = deep_ep.Buffer(group, num_nvl_bytes=1 << 20)
     x, topk, weights = _inputs(rank)
@@ -730,6 +737,8 @@ MISMATCHES: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "dispatch: bf16 on one rank, fp8 on the other": (_fp8_on_one_rank, ("dtype",)),
     "dispatch: num_worst_tokens below the received count": (
         _num_worst_tokens_too_small, (f"num_worst_tokens={N}", f"receives {2 * N} tokens")),
+    "V2 dispatch without CPU sync: num_max_tokens_per_rank differs": (
+        _v2_max_tokens_differ, ("num_max_tokens_per_rank", f"rank 0: {N}", f"rank 1: {N + 1}")),
     "cached dispatch: hidden differs": (_cached_hidden_differs, ("hidden",)),
     "cached dispatch: bf16 on one rank, fp8 on the other": (_cached_fp8_on_one_rank, ("dtype",)),
     "combine: hidden differs": (_combine_hidden_differs, ("hidden",)),

@@ -69,7 +69,8 @@ def test_layout_kernel_compiles(num_topk: int, num_ranks: int, num_experts: int)
 def test_notify_kernel_compiles(exchange: bool) -> None:
     compile_for_hopper(notify_dispatch_kernel,
                        dict(is_token_in_rank_ptr=BOOL, num_tokens=4096, num_tokens_per_expert_ptr=I32,
-                            hidden_words=3584, scale_words=56, num_topk=8, num_experts=256, invalid_ids_ptr=I32,
+                            hidden_words=3584, scale_words=56, num_topk=8, num_experts=256, max_tokens_per_rank=4096,
+                            report_to_status=1, invalid_ids_ptr=I32,
                             token_list_ptr=I32, token_list_stride=4096, send_pos_ptr=I32,
                             result_ptr=I32, host_result_ptr=I64, peer_base_ptrs=I64, rank=1, notify_epoch=3,
                             experts_per_rank=128,

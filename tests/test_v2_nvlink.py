@@ -171,6 +171,40 @@ def captured_dispatch_matches_eager(group) -> list[str]:
     return problems
 
 
+def no_sync_dispatch_outcomes(group) -> tuple[bool, str]:
+    """(whether a dispatch without CPU sync left its engine a padding check, which waits for the
+    GPU at the next call; the error every rank meets after ranks passed different T)."""
+    import tritonep as deep_ep
+
+    T, H, K, E = 8, 128, 2, 4 * group.size()
+    with environment({"TRITONEP_BACKEND": "nvlink"}):
+        buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=2 * T, hidden=H, num_topk=K,
+                                       explicitly_destroy=True)
+    cpu = dict(generator=torch.Generator().manual_seed(group.rank()), dtype=torch.float32)
+    x = torch.randn(T, H, **cpu).to(torch.bfloat16).to(buffer.device)
+    kwargs = dict(topk_idx=torch.rand(T, E, **cpu).topk(K, dim=1).indices.to(buffer.device),
+                  topk_weights=torch.rand(T, K, **cpu).to(buffer.device), num_experts=E, do_cpu_sync=False)
+    recv_x, _, _, handle, _ = buffer.dispatch(x, **kwargs)
+    left_a_check = buffer.backend.normal.state.unchecked_padding is not None
+    buffer.combine(recv_x, handle)
+    try:
+        # The exchange reports the disagreement in the status word: the next call raises.
+        recv_x, _, _, handle, _ = buffer.dispatch(x, num_max_tokens_per_rank=T + group.rank(), **kwargs)
+        buffer.combine(recv_x, handle)
+    except deep_ep.InputError as error:
+        return left_a_check, str(error)
+    return left_a_check, ""
+
+
+def test_interpreter_dispatch_without_cpu_sync_leaves_no_host_wait_and_catches_other_t(interpreter_pools):
+    """Every rank passes the same T, which the count exchange compares, so padding to R x T
+    needs no check that waits for the GPU; ranks that pass different T all raise, naming T."""
+    outcomes = interpreter_pools(2).run(no_sync_dispatch_outcomes)
+    for rank, (left_a_check, message) in enumerate(outcomes):
+        assert not left_a_check, f"rank {rank}: the no-sync dispatch left a host-waiting padding check"
+        assert "num_max_tokens_per_rank" in message and "cannot be used any more" in message, (rank, message)
+
+
 @pytest.mark.gpu(min_gpus=1)
 def test_gpu_dispatch_without_cpu_sync_in_a_cuda_graph(gpu_pool):
     assert gpu_pool.run(captured_dispatch_matches_eager) == [[]] * gpu_pool.num_ranks

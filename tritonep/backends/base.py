@@ -34,6 +34,16 @@ class DispatchRequest:
     num_worst_tokens: int
     cached_handle: DispatchHandle | None  # a handle from an earlier dispatch: reuse its layout
     config: Config
+    # V2's T (0: not given, as from V1): every rank sends at most T tokens and the backends
+    # compare T across ranks like the hidden size, so num_worst_tokens = R * T always suffices.
+    num_max_tokens_per_rank: int = 0
+
+    def padding_is_guaranteed(self, num_ranks: int) -> bool:
+        """Whether num_worst_tokens holds every row that can arrive, so that no later call needs
+        to check the received counts: R * T rows when every rank passes the same T (a rank whose
+        T differs makes the count exchange report the disagreement instead)."""
+        T = self.num_max_tokens_per_rank
+        return T > 0 and self.num_worst_tokens >= num_ranks * T
 
 
 @dataclass

@@ -30,6 +30,10 @@ PHASE_NET_COMBINE_SLOT = tl.constexpr(14)
 PHASE_NET_COMBINE_DATA = tl.constexpr(15)   # a source waiting for a node's partial sums
 PHASE_NODE_COMBINE_DATA = tl.constexpr(16)  # the node's reducer waiting for a rank of its node
 PHASE_TRANSPORT_TEST = tl.constexpr(17)     # the transport's own tests
+# Not a wait: the count exchange of a dispatch whose counts the host does not read at the call
+# (``num_worst_tokens``) found ranks that disagree on it; the "peer" field holds the bitmask of
+# the signature words that differ (``backends/nvlink/normal/counts.py`` names them).
+PHASE_DISAGREEMENT = tl.constexpr(18)
 PHASE_NAMES = {
     1: "count exchange (notify)",
     2: "dispatch: waiting for the peer to release its receive area",
@@ -48,6 +52,7 @@ PHASE_NAMES = {
     15: "internode combine: waiting for the node's partial sums",
     16: "internode combine: waiting for a rank of this node to stage its rows",
     17: "transport test wait",
+    18: "count exchange: ranks disagree on a dispatch",
 }
 
 # Shrink mode: a status word with this bit set reports a peer that was masked after a time-out

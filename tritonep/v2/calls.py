@@ -101,14 +101,15 @@ def _col_major(scales: torch.Tensor | None, enabled: bool) -> torch.Tensor | Non
 
 def _engine_dispatch(engine: Engine, call: DispatchCall, weights: torch.Tensor, num_worst_tokens: int,
                      num_sms: int) -> DispatchResult:
-    """A fresh engine dispatch of ``call.topk_idx`` (layout, then dispatch)."""
+    """A fresh engine dispatch of ``call.topk_idx`` (layout, then dispatch). The engine learns T,
+    which it compares across ranks, so that padding to R x T needs no later check."""
     backend = engine.backend
     per_rank, per_expert, in_rank = backend.get_dispatch_layout(call.topk_idx, call.num_experts)
     return backend.dispatch(DispatchRequest(
         x=call.x, x_scales=call.scales, topk_idx=call.topk_idx, topk_weights=weights, is_token_in_rank=in_rank,
         num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, num_experts=call.num_experts,
         expert_alignment=call.expert_alignment, num_worst_tokens=num_worst_tokens, cached_handle=None,
-        config=engine.config(num_sms)))
+        config=engine.config(num_sms), num_max_tokens_per_rank=call.num_max_tokens_per_rank))
 
 
 def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:

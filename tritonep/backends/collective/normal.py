@@ -27,7 +27,7 @@ from tritonep.core.checks import InputError
 from tritonep.core.handles import DispatchHandle, NodeDispatchHandle
 
 _HEADER_NAMES = ["hidden", "top-k", "num_experts", "x dtype (bf16/fp8)", "scales dtype (none/float32/int32)",
-                 "number of scale columns"]
+                 "number of scale columns", "num_max_tokens_per_rank"]
 _CACHED_HEADER_NAMES = ["hidden", "x dtype (bf16/fp8)", "scales dtype (none/float32/int32)", "number of scale columns"]
 _COMBINE_HEADER_NAMES = ["hidden", "topk_weights (given or not)", "topk_weights columns"]
 
@@ -78,7 +78,7 @@ def dispatch(group: dist.ProcessGroup, buffer_id: int, request: DispatchRequest,
     # consistent with the rows even if num_tokens_per_rank was computed differently.
     send_counts = in_rank.sum(0).to(torch.int64)
     header = torch.tensor([hidden, num_topk, num_experts, int(x.dtype != torch.bfloat16), scale_code, scale_cols,
-                           request.num_worst_tokens], dtype=torch.int64, device=device)
+                           request.num_max_tokens_per_rank, request.num_worst_tokens], dtype=torch.int64, device=device)
     table = packing.all_gather_rows(group, torch.cat([send_counts, header]))
     count_matrix, metas = table[:, :num_ranks], table[:, num_ranks:]
     packing.check_same_on_all_ranks(metas[:, :len(_HEADER_NAMES)], _HEADER_NAMES, "dispatch")

@@ -95,8 +95,8 @@ class InternodeNormal:
         send[:, R:R + nodes] = routing.tokens_per_node(in_rank, self.per_node)
         send[:, R + nodes:R + nodes + experts_per_rank] = request.num_tokens_per_expert.view(R, experts_per_rank)
         signature = [packing.x_words, packing.scale_words, packing.num_topk, request.num_experts,
-                     request.num_worst_tokens]
-        send[:, -8:-3] = torch.tensor(signature, dtype=torch.int32, device="cpu").to(self.device)
+                     request.num_worst_tokens, request.num_max_tokens_per_rank]
+        send[:, -8:-2] = torch.tensor(signature, dtype=torch.int32, device="cpu").to(self.device)
         self.notify_epoch += 1
         layout = self.layout
         launch(dispatch_kernel.notify_kernel, 1, (*self._args(), self.notify_epoch, self.status.tensor,
@@ -111,10 +111,10 @@ class InternodeNormal:
     def _check_table(self, table: torch.Tensor, request: DispatchRequest, cap: int) -> None:
         """Raise alike on every rank (all hold the same table) for calls that cannot go on."""
         R, nodes = self.num_ranks, self.num_nodes
-        signatures = table[:, -8:-4]
-        names = ["hidden words", "scale words", "top-k", "num_experts"]
-        for column, name in enumerate(names):
-            values = signatures[:, column].tolist()
+        # The signature's words that every rank must pass alike (num_worst_tokens may differ).
+        names = {-8: "hidden words", -7: "scale words", -6: "top-k", -5: "num_experts", -3: "num_max_tokens_per_rank"}
+        for column, name in names.items():
+            values = table[:, column].tolist()
             if any(v != values[0] for v in values):
                 raise InputError(f"dispatch: every rank must pass the same {name}, got "
                                  + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))

@@ -33,7 +33,7 @@ PUT_WARPS = 16
 # flight. The node receive runs with RECEIVE_WARPS.
 NODE_BLOCK = 512
 RECEIVE_WARPS = 8
-SIGNATURE_WORDS = 8     # (hidden words, scale words, top-k, experts, num_worst_tokens, 0, 0, 0)
+SIGNATURE_WORDS = 8     # (hidden words, scale words, top-k, experts, num_worst_tokens, T, 0, 0)
 
 
 @dataclass(frozen=True)

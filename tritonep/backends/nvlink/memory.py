@@ -27,7 +27,7 @@ from tritonep.rank_pool import SHARED_GPUS_VARIABLE
 
 MAX_CHANNELS = 160            # sender programs per launch (more than a Hopper GPU has SMs)
 MAX_LOCAL_EXPERTS = 1024
-SIGNATURE_WORDS = 8           # (hidden words, scale words, top-k, experts, invalid ids, 0, 0, 0)
+SIGNATURE_WORDS = 8           # (hidden words, scale words, top-k, experts, invalid ids, T, 0, 0)
 
 
 @dataclass(frozen=True)

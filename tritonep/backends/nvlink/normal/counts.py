@@ -6,6 +6,12 @@ then the mailbox's flag word, which the host polls: the counts reach it a copy l
 event round trip sooner than through a copy it would wait for. Every rank holds the same result,
 so the checks made on it (ranks that disagree on the call, out-of-range expert ids, more rows
 than staging holds, a ``num_worst_tokens`` too small) raise on every rank at the same call.
+
+A ``num_worst_tokens`` dispatch does not wait for its result. Its disagreements reach the host
+through the status word (``status_error``), read without a sync when a later call starts. Its
+received counts are checked against the padding by the next call, which waits for them
+(``check_padding``), unless the padding holds every row that can arrive
+(``DispatchRequest.padding_is_guaranteed``: V2's R x T with T in the signature).
 """
 
 from __future__ import annotations
@@ -16,10 +22,17 @@ import torch
 
 from tritonep.backends.base import DispatchRequest
 from tritonep.backends.nvlink.memory import SymmetricBuffer
-from tritonep.backends.nvlink.normal.notify_kernel import MAILBOX_HEADER, mailbox_words, notify_dispatch
+from tritonep.backends.nvlink.normal.notify_kernel import (
+    INVALID_IDS_WORD,
+    MAILBOX_HEADER,
+    SIGNATURE_NAMES,
+    mailbox_words,
+    notify_dispatch,
+)
 from tritonep.backends.nvlink.normal.shape import DispatchShape
 from tritonep.backends.nvlink.normal.state import NormalState
 from tritonep.core.checks import InputError
+from tritonep.device.status_codes import PHASE_DISAGREEMENT
 from tritonep.runtime.platform import INTERPRET
 from tritonep.runtime.status import timeout_error
 
@@ -51,8 +64,9 @@ class CountExchange:
         # this engine's under the current tuning: the launch generation stands for them.
         return notify_dispatch(
             memory, request.is_token_in_rank, request.num_tokens_per_expert,
-            (shape.x_words, shape.scale_words, shape.num_topk, request.num_experts), self.invalid_ids,
-            state.notify_epoch, state.status.tensor, timeout_ns, self.mailbox, state.launch_generation)
+            (shape.x_words, shape.scale_words, shape.num_topk, request.num_experts, request.num_max_tokens_per_rank),
+            request.num_worst_tokens > 0, self.invalid_ids, state.notify_epoch, state.status.tensor, timeout_ns,
+            self.mailbox, state.launch_generation)
 
     def result(self, epoch: int, words: int, timeout_ns: int, what: str) -> list[int]:
         """The result words of exchange ``epoch`` from the host mailbox, once its flag shows the
@@ -71,7 +85,7 @@ class CountExchange:
                                            f"never reported its result to the host")
         code = self.state.status.code   # a wait that timed out wrote it before the flag
         if code:
-            raise timeout_error(code, self.rank, timeout_ns, what)
+            raise self.status_error(code, timeout_ns, what)
         return box[MAILBOX_HEADER: MAILBOX_HEADER + words].tolist()
 
     def wait_counts(self, shape: DispatchShape, timeout_ns: int) -> list[int]:
@@ -89,15 +103,25 @@ class CountExchange:
                              f"num_nvl_bytes")
         return host
 
-    def _check_agreement(self, ranks_disagreeing: int, invalid_ids: int) -> None:
+    def _check_agreement(self, differing_words: int, invalid_ids: int) -> None:
         """Raise on every rank, before any row moves, if the count exchange found a problem."""
         if invalid_ids:
             self.invalid_ids.zero_()
             raise InputError(f"topk_idx given to get_dispatch_layout had {invalid_ids} entries (over all ranks) "
                              "outside [-1, num_experts); nothing was dispatched")
-        if ranks_disagreeing:
-            raise InputError(f"ranks called dispatch with different arguments: {ranks_disagreeing} rank(s) "
-                             "disagree on (hidden, scales, top-k, num_experts) with this rank")
+        if differing_words:
+            raise InputError(f"ranks called dispatch with different arguments: {_problems(differing_words)}")
+
+    def status_error(self, code: int, timeout_ns: int, calls: str) -> Exception:
+        """The error for a set status word: a timed-out wait, or the disagreement that a
+        num_worst_tokens dispatch's exchange reported. Either stays in the word: the ranks meet
+        it at different calls, so none of them may go on."""
+        phase, problems = divmod(code - 1, 65536)
+        if phase != PHASE_DISAGREEMENT:
+            return timeout_error(code, self.rank, timeout_ns, calls)
+        return InputError(f"rank {self.rank}: an earlier dispatch that did not read its counts on the host "
+                          f"(num_worst_tokens, or V2's do_cpu_sync=False) found {_problems(problems)}, so its "
+                          "outputs may be wrong. This Buffer cannot be used any more.")
 
     def remember_padding(self, num_worst_tokens: int) -> None:
         """A num_worst_tokens dispatch does not wait for its counts: the next call checks them
@@ -131,3 +155,12 @@ class CountExchange:
             raise InputError(f"the previous dispatch had num_worst_tokens={limit}, but rank {worst} received "
                              f"{max(counts)} rows: rows past num_worst_tokens were dropped there. Use a larger "
                              f"num_worst_tokens (an upper bound on any rank's received rows).")
+
+
+def _problems(bits: int) -> str:
+    """What a bitmask of signature words (the exchange's check word) says went wrong."""
+    names = [name for word, name in enumerate(SIGNATURE_NAMES) if name is not None and bits >> word & 1]
+    found = [f"ranks that disagree on {', '.join(names)}"] if names else []
+    if bits >> INVALID_IDS_WORD & 1:
+        found.append("topk_idx entries outside [-1, num_experts) given to get_dispatch_layout")
+    return " and ".join(found)

@@ -44,7 +44,6 @@ from tritonep.core.handles import DispatchHandle
 from tritonep.core.routing import count_rows_from_prefix, round_up_counts
 from tritonep.runtime.launcher import as_words
 from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
-from tritonep.runtime.status import timeout_error
 
 
 class NormalEngine:
@@ -100,11 +99,12 @@ class NormalEngine:
 
     def check_status(self) -> None:
         """Raise if a kernel of an earlier call gave up waiting on a peer, or if an earlier
-        num_worst_tokens dispatch received more rows than it had room for."""
+        num_worst_tokens dispatch found ranks that disagree or received more rows than it had
+        room for."""
         self.counts.check_padding(self.timeout_ns)
         code = self.state.status.code   # written by the kernels into host memory: no sync
         if code:
-            raise timeout_error(code, self.rank, self.timeout_ns, "dispatch/combine calls")
+            raise self.counts.status_error(code, self.timeout_ns, "dispatch/combine calls")
 
     # ------------------------------------------------------------------ dispatch
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
@@ -170,7 +170,8 @@ class NormalEngine:
             plan = SendPlan(token_list, send_pos, result)
             if request.num_worst_tokens > 0:
                 num_out_rows, per_expert = request.num_worst_tokens, []
-                self.counts.remember_padding(request.num_worst_tokens)
+                if not request.padding_is_guaranteed(R):
+                    self.counts.remember_padding(request.num_worst_tokens)
             else:
                 reads_counts = True
         state.dispatch_epoch += 1

@@ -7,12 +7,15 @@ the totals). The dispatch kernel gathers rows through ``token_list``; the combin
 finds returned rows through ``send_pos``. A cached dispatch reuses both.
 
 Part 2, the exchange: every rank writes its per-rank counts, the counts of the experts that
-live on each peer, and a signature of the call (hidden size, scales, top-k, experts) into
-that peer's payload slot, then releases the peer's flag for this rank. After acquiring all R
-flags a rank holds the full count matrix and builds ``rank_prefix_matrix``, its per-expert
-receive counts, and the number of peers whose signature differs from its own. Slots
-alternate between two parities, so a fast rank's next exchange never overwrites a slot a
-slow peer has not read yet.
+live on each peer, and a signature of the call (``SIGNATURE_NAMES``) into that peer's payload
+slot, then releases the peer's flag for this rank. After acquiring all R flags a rank holds
+the full count matrix and builds ``rank_prefix_matrix``, its per-expert receive counts, and
+which signature words differ between ranks. Slots alternate between two parities, so a fast
+rank's next exchange never overwrites a slot a slow peer has not read yet.
+
+A dispatch whose host does not read the result at the call (``report_to_status``: one with
+``num_worst_tokens``) would leave a disagreement unseen: the kernel writes it into the status
+word instead, which the host reads, without a sync, when a later call starts.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import triton.language as tl
 
 from tritonep.backends.nvlink.memory import MAX_LOCAL_EXPERTS, SIGNATURE_WORDS, SymmetricBuffer
 from tritonep.device.signals import fence_system, publish, store_relaxed, wait_at_least
-from tritonep.device.status_codes import PHASE_NOTIFY
+from tritonep.device.status_codes import PHASE_DISAGREEMENT, PHASE_NOTIFY
 from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher, next_power_of_2
 from tritonep.runtime.platform import GPU_KERNELS
@@ -32,13 +35,21 @@ from tritonep.runtime.platform import GPU_KERNELS
 MAILBOX_HEADER = 1
 _HEADER = tl.constexpr(MAILBOX_HEADER)
 
+# What each signature word holds, for the host's messages. Word 4 is not compared: it carries a
+# rank's out-of-range expert ids (``get_dispatch_layout`` counted them), summed over the ranks.
+SIGNATURE_NAMES = ("hidden size (4-byte words)", "scale words", "top-k", "num_experts", None,
+                   "num_max_tokens_per_rank")
+INVALID_IDS_WORD = 4
+_INVALID_IDS, _INVALID_IDS_BIT = tl.constexpr(INVALID_IDS_WORD), tl.constexpr(1 << INVALID_IDS_WORD)
+
 
 @kernel_names.jit("tritonep::intranode::notify_counts",
                   do_not_specialize=["num_tokens", "notify_epoch", "rank", "experts_per_rank", "timeout_ns",
-                                     "hidden_words", "scale_words", "num_topk", "num_experts"])
+                                     "hidden_words", "scale_words", "num_topk", "num_experts", "max_tokens_per_rank",
+                                     "report_to_status"])
 def notify_dispatch_kernel(
     is_token_in_rank_ptr, num_tokens, num_tokens_per_expert_ptr, hidden_words, scale_words, num_topk, num_experts,
-    invalid_ids_ptr,
+    max_tokens_per_rank, report_to_status, invalid_ids_ptr,
     token_list_ptr, token_list_stride, send_pos_ptr, result_ptr, host_result_ptr,
     peer_base_ptrs, rank, notify_epoch, experts_per_rank, status_ptr, timeout_ns,
     NOTIFY_FLAG_WORD: tl.constexpr, PAYLOAD_BYTE_OFFSET: tl.constexpr, PAYLOAD_WORDS: tl.constexpr,
@@ -68,11 +79,12 @@ def notify_dispatch_kernel(
         parity = notify_epoch % 2
         experts = tl.arange(0, EXPERTS_PAD)
         expert_mask = experts < experts_per_rank
-        # The call's signature: (hidden words, scale words, top-k, experts, out-of-range ids, 0...).
+        # The call's signature (SIGNATURE_NAMES), then zeros.
         words = tl.arange(0, SIGNATURE)
         invalid_ids = tl.load(invalid_ids_ptr)
         signature = tl.where(words == 0, hidden_words, tl.where(words == 1, scale_words, tl.where(
-            words == 2, num_topk, tl.where(words == 3, num_experts, tl.where(words == 4, invalid_ids, 0)))))
+            words == 2, num_topk, tl.where(words == 3, num_experts, tl.where(
+                words == _INVALID_IDS, invalid_ids, tl.where(words == 5, max_tokens_per_rank, 0))))))
         for r in range(0, NUM_RANKS):
             peer_base = tl.load(peer_base_ptrs + r)
             slot = (peer_base + PAYLOAD_BYTE_OFFSET).to(tl.pointer_type(tl.int32)) \
@@ -105,11 +117,14 @@ def notify_dispatch_kernel(
                  + experts[None, :], tl.cumsum(received, axis=0), mask=source_mask[:, None] & expert_mask[None, :])
         signatures = tl.load(slots + sources[:, None] * PAYLOAD_WORDS + NUM_RANKS + EXPERT_WORDS + words[None, :],
                              mask=source_mask[:, None], other=0, cache_modifier=".cv")
-        differs = tl.max((signatures != signature[None, :]).to(tl.int32), axis=1) & source_mask.to(tl.int32)
-        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank, tl.sum(differs, axis=0))
-        # Word 4 counts a rank's out-of-range expert ids: any rank with some stops every rank.
-        invalid = tl.sum(tl.where(words[None, :] == 4, signatures, 0), axis=1)
-        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, tl.sum(invalid, axis=0))
+        # Bit w set: some rank's signature word w differs from this rank's. Every rank sees the
+        # same words, so every rank finds a disagreement alike.
+        differs = (signatures != signature[None, :]) & source_mask[:, None] & (words != _INVALID_IDS)[None, :]
+        differing_words = tl.sum(tl.max(differs.to(tl.int32), axis=0) << words, axis=0)
+        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank, differing_words)
+        # A rank's out-of-range expert ids: any rank with some stops every rank.
+        invalid = tl.sum(tl.sum(tl.where(words[None, :] == _INVALID_IDS, signatures, 0), axis=1), axis=0)
+        tl.store(result_ptr + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, invalid)
 
         # ---- the same words into the host's mailbox (pinned memory), then its flag ----------
         # The host polls the flag instead of queuing a copy and waiting on an event: the
@@ -118,8 +133,12 @@ def notify_dispatch_kernel(
         host_words = host_result_ptr + _HEADER
         tl.store(host_words + sources[:, None] * NUM_RANKS + ranks[None, :], prefix.to(tl.int64), mask=matrix_mask)
         tl.store(host_words + NUM_RANKS * NUM_RANKS + experts, tl.sum(received, axis=0).to(tl.int64), mask=expert_mask)
-        tl.store(host_words + NUM_RANKS * NUM_RANKS + experts_per_rank, tl.sum(differs, axis=0).to(tl.int64))
-        tl.store(host_words + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, tl.sum(invalid, axis=0).to(tl.int64))
+        tl.store(host_words + NUM_RANKS * NUM_RANKS + experts_per_rank, differing_words.to(tl.int64))
+        tl.store(host_words + NUM_RANKS * NUM_RANKS + experts_per_rank + 1, invalid.to(tl.int64))
+        # Out-of-range ids set the bit of their word: the status word names both problems.
+        problems = differing_words | tl.where(invalid != 0, _INVALID_IDS_BIT, 0)
+        if (report_to_status != 0) & (problems != 0):
+            tl.store(status_ptr, (problems + PHASE_DISAGREEMENT * 65536 + 1).to(tl.int64))
         fence_system(GPU)
         store_relaxed(host_result_ptr, notify_epoch.to(tl.int64), GPU)
 
@@ -128,12 +147,13 @@ def notify_dispatch_kernel(
 # engine, which the caller's ``owner`` key stands for.
 _NOTIFY = FastLauncher(notify_dispatch_kernel, changing=(
     "is_token_in_rank_ptr", "num_tokens", "num_tokens_per_expert_ptr", "hidden_words", "scale_words", "num_topk",
-    "num_experts", "token_list_ptr", "token_list_stride", "send_pos_ptr", "result_ptr", "notify_epoch",
-    "experts_per_rank"))
+    "num_experts", "max_tokens_per_rank", "report_to_status", "token_list_ptr", "token_list_stride", "send_pos_ptr",
+    "result_ptr", "notify_epoch", "experts_per_rank"))
 
 
 def check_word(num_ranks: int, experts_per_rank: int) -> int:
-    """Where the exchange's two check words (disagreeing ranks, out-of-range ids) sit in its result."""
+    """Where the exchange's two check words (the bitmask of differing signature words, the
+    out-of-range ids) sit in its result."""
     return num_ranks * num_ranks + experts_per_rank
 
 
@@ -151,7 +171,8 @@ def notify_dispatch(
     memory: SymmetricBuffer,
     is_token_in_rank: torch.Tensor,
     num_tokens_per_expert: torch.Tensor | None,
-    signature: tuple[int, int, int, int],
+    signature: tuple[int, int, int, int, int],
+    report_to_status: bool,
     invalid_ids: torch.Tensor,
     notify_epoch: int,
     status: torch.Tensor,
@@ -161,11 +182,13 @@ def notify_dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns ``(token_list [R, N] int32, send_pos [N+1, R] int32, result)``.
 
-    ``signature``: (hidden in 4-byte words, scale words, top-k, experts) of this call; with the
-    out-of-range ids counted so far (``invalid_ids``, int32 [1]) it goes to every peer.
+    ``signature``: (hidden in 4-byte words, scale words, top-k, experts, T) of this call; with
+    the out-of-range ids counted so far (``invalid_ids``, int32 [1]) it goes to every peer.
+    ``report_to_status``: the host will not read the result at this call, so a disagreement or
+    out-of-range ids go into ``status`` too (``PHASE_DISAGREEMENT``).
 
     ``result`` (int32, None without exchange) holds ``rank_prefix_matrix`` (R*R), the
-    per-local-expert receive counts (E/R), the number of ranks whose signature differs, the
+    per-local-expert receive counts (E/R), the bitmask of signature words that differ, the
     out-of-range expert ids counted over all ranks (these two from ``check_word``), and, from
     ``source_expert_word``, [s, e]: the (token, k) pairs of local expert e that sources 0..s
     send (R * E/R). The kernel also writes all but the last into ``mailbox`` (int64, pinned host
@@ -198,7 +221,8 @@ def notify_dispatch(
             BLOCK_T=block_t, EXCHANGE=exchange, GPU=GPU_KERNELS)
 
     _NOTIFY(1, (owner, block_t, experts_pad, exchange), (
-        is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, *signature, invalid_ids,
+        is_token_in_rank, num_tokens, num_tokens_per_expert if exchange else send_pos, *signature,
+        int(report_to_status), invalid_ids,
         token_list, token_list.stride(0), send_pos, result if exchange else send_pos, mailbox,
         memory.peer_base_ptrs, memory.rank, notify_epoch, max(experts_per_rank, 1), status, timeout_ns,
     ), constants, 8)
