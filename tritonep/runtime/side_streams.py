@@ -16,7 +16,8 @@ once as a CUDA graph (``capture``) and forked as one graph launch (``fork_graph`
 operation a job issues costs the host microseconds, a graph launch costs about one. The graph
 runs on the first side stream, in order with the jobs forked there. Graphs and their fork and
 join go through the CUDA driver (cuda-bindings' ``driver`` module, given at construction), with
-raw events made once: torch's events and stream switches cost several times a driver call.
+raw events made once and the caller's stream read through the launcher's raw lookup: torch's
+``current_stream()`` costs several times a driver call (docs/findings.md).
 """
 
 from __future__ import annotations
