@@ -118,11 +118,19 @@ def transport_pool(gpu_pool):
     pool.close()
 
 
+# The GPU ranks' CPU tensors of 2 MiB and more on transparent huge pages (torch's CPU allocator
+# reads the variable at its first allocation): the oracle's fresh tensors of rows, 100 MB and
+# more at the race loops' sizes, then fault in 2 MiB at a time instead of 4 KiB, several times
+# faster. Hosts whose huge pages are off ignore it.
+GPU_RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
 def _gpu_rank_pool(ranks: int) -> RankPool:
     """``ranks`` GPU ranks under the suite's torch defaults (``TRITONEP_TEST_DEFAULT_*``)."""
     from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
 
-    return RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), **pool_options(use_gpu=True))
+    return RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), env=GPU_RANK_ENV,
+                    **pool_options(use_gpu=True))
 
 
 def _prepare(pool: RankPool) -> None:

@@ -172,6 +172,29 @@ def _cached_dispatch(group: dist.ProcessGroup, request: DispatchRequest) -> Disp
     return DispatchResult(recv_x, recv_scales, None, None, None, handle)
 
 
+# float32 bytes the CPU combine converts at a time: a few MiB stay in cache and in memory the
+# allocator already holds, where converting every row at once first faults in a fresh float32
+# copy twice the size of the rows received.
+_CPU_CHUNK_BYTES = 4 << 20
+
+
+def _add_rows(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out.index_add_(0, index, rows.float())``; on the CPU in chunks of rows, in order:
+    index_add_ adds rows in index order, so every sum is made in the same order, to the same
+    bits. Other devices take every row in one call (one launch)."""
+    if rows.device.type != "cpu":
+        out.index_add_(0, index, rows.float())
+        return
+    num_rows, width = rows.shape
+    chunk_rows = max(1, _CPU_CHUNK_BYTES // max(1, 4 * width))
+    scratch = torch.empty(min(chunk_rows, num_rows), width, dtype=torch.float32, device=rows.device)
+    for start in range(0, num_rows, chunk_rows):
+        end = min(start + chunk_rows, num_rows)
+        chunk = scratch[:end - start]
+        chunk.copy_(rows[start:end])
+        out.index_add_(0, index[start:end], chunk)
+
+
 def combine(group: dist.ProcessGroup, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
             bias: tuple[torch.Tensor | None, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Send every received row back to its source and sum the copies per token in float32.
@@ -194,7 +217,7 @@ def combine(group: dist.ProcessGroup, x: torch.Tensor, handle: DispatchHandle, t
         if item is not None:
             out += item.float()
     x_work.wait()
-    out.index_add_(0, layout.send_token_index, back_x.float())
+    _add_rows(out, layout.send_token_index, back_x)
     combined_w = None
     if back_w is not None:
         combined_w = torch.zeros(num_tokens, topk_weights.shape[1], dtype=torch.float32, device=x.device)
