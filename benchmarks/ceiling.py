@@ -4,9 +4,10 @@ bytes to every peer at once, as a dispatch or combine does.
 Each rank sends a chunk of ``remote_bytes / (R - 1)`` random bytes to each peer, straight into
 the peer's symmetric memory, all ranks at once, peers in rotated order (rank + 1, rank + 2, ...)
 so that no peer is everyone's first. Measured two ways in the same run: SM stores from one
-Triton kernel (``push_kernel``, at several program counts) and the copy engines (one stream per
-peer, no SM). The ceiling is the best of them; each way is checked to deliver every chunk before
-it is timed. Timing as for the calls (``timing.median_us``); GB/s = remote bytes out per GPU / time.
+Triton kernel (``push_kernel``, at several program counts, each program taking a peer's blocks
+in turn or a contiguous span of them) and the copy engines (one stream per peer, no SM). The
+ceiling is the best of them; each way is checked to deliver every chunk before it is timed.
+Timing as for the calls (``timing.median_us``); GB/s = remote bytes out per GPU / time.
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ def measure(group: dist.ProcessGroup, remote_bytes: int, iters: int) -> dict:
             current.wait_stream(stream)
 
     per_peer = sorted({max(programs // len(peers), 1) for programs in PROGRAM_COUNTS})
-    ways = {f"sm_stores_{n * len(peers)}_programs": lambda n=n: push(sources, addresses, n) for n in per_peer}
+    ways = {}
+    for n in per_peer:
+        for strided, suffix in ((True, ""), (False, "_spans")):
+            ways[f"sm_stores_{n * len(peers)}_programs{suffix}"] = lambda n=n, strided=strided: push(
+                sources, addresses, n, strided)
     ways["copy_engines"] = copy_engines
     sent = words * 8 * len(peers)
     report: dict = {"remote_bytes": sent, "gbps": {}}

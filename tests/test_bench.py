@@ -101,17 +101,19 @@ def test_low_latency_table_lists_each_launch_shape(capsys) -> None:
 @pytest.mark.skipif(tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4),
                     reason="Triton 3.6's interpreter needs numpy<2.4 for loops with runtime bounds")
 def test_ceiling_push_kernel_delivers_every_peer_chunk() -> None:
-    """Each peer's chunk lands whole at its address, whatever the programs per peer (spans that
-    end inside a block included)."""
+    """Each peer's chunk lands whole at its address, whatever the programs per peer and in both
+    orders (spans that end inside a block included)."""
     script = """
 import torch
 from benchmarks.push_kernel import push
 peers, words = 3, 5000
 sources = torch.randint(-(1 << 62), 1 << 62, (peers * words,), dtype=torch.int64)
 for programs_per_peer in (1, 2, 3):
-    targets = [torch.zeros(words, dtype=torch.int64) for _ in range(peers)]
-    push(sources, torch.tensor([t.data_ptr() for t in targets], dtype=torch.int64), programs_per_peer)
-    assert all(torch.equal(t, sources[i * words:(i + 1) * words]) for i, t in enumerate(targets)), programs_per_peer
+    for strided in (True, False):
+        targets = [torch.zeros(words, dtype=torch.int64) for _ in range(peers)]
+        push(sources, torch.tensor([t.data_ptr() for t in targets], dtype=torch.int64), programs_per_peer, strided)
+        assert all(torch.equal(t, sources[i * words:(i + 1) * words]) for i, t in enumerate(targets)), \
+            (programs_per_peer, strided)
 print("ok")
 """
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": CHECKOUT}
