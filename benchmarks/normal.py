@@ -143,6 +143,8 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
     # above 1/2: from EP4 on the senders carry most of the bytes over the links. At EP4 the
     # default split is bound on both sides (more senders leave too few receivers), so the last
     # variants give the fewer receivers larger tiles (more bytes in flight per program).
+    # interleave_channels: each dispatch channel takes its tiles of a block in turn, the order
+    # in which the ceiling's stores into a peer carried more (ceiling.py times both orders).
     variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=1024), dict(block=4096),
                 dict(combine_pieces=1), dict(combine_pieces=2), dict(combine_pieces=3), dict(combine_pieces=4),
                 dict(combine_piece_ratio=1.0), dict(combine_piece_ratio=0.4),
@@ -155,7 +157,8 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
                 dict(sender_fraction=0.5, combine_sender_fraction=0.25),
                 dict(sender_fraction=0.75, combine_sender_fraction=0.5),
                 dict(sender_fraction=0.58, rows=16), dict(sender_fraction=0.625, rows=16),
-                dict(sender_fraction=0.625, block=4096), dict(sender_fraction=0.67, rows=16)]
+                dict(sender_fraction=0.625, block=4096), dict(sender_fraction=0.67, rows=16),
+                dict(interleave_channels=True), dict(interleave_channels=True, sender_fraction=1 / 3)]
     results = []
     for change in variants:
         with changed_tuning(buffer, **change) as fields:
