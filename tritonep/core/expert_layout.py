@@ -67,12 +67,6 @@ class LayoutSizes(NamedTuple):
         weights = source + X
         return 0, E, 2 * E, metadata, dst, slots, source, weights, weights + X
 
-    def words(self) -> int:
-        """The block's size in words: ``offsets()[-1]``, without the other offsets."""
-        E, S, M, K, N = self.experts_per_rank, self.num_scaleup_ranks, self.num_rows, self.num_topk, self.num_tokens
-        expanded = 0 if self.num_expanded is None else M * K + 2 * self.num_expanded
-        return 2 * E + S + M * (K + 2) + N * K + expanded
-
 
 class ExpertLayout:
     """V2's handle fields (``tritonep/v2/handle.py`` says how EPHandle shows them).

@@ -349,8 +349,7 @@ class ElasticBuffer:
         # No event to wait for or to return: the work runs on the caller's stream, with no scope
         # to enter and no outputs to record (what on_comm_stream would do, less its host cost).
         plain = previous_event is None and previous_event_before_epilogue is None and not async_with_compute_stream
-        if not plain:
-            checks.check_stream_args(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
+        checks.check_stream_args(previous_event, previous_event_before_epilogue, allocate_on_comm_stream)
         checks.check_sms_and_qps(num_sms, num_qps, self.num_allocated_qps)
         call = checks.dispatch_call(x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, num_experts,
                                     num_max_tokens_per_rank, expert_alignment, handle, do_cpu_sync, do_expand,

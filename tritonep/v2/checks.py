@@ -166,9 +166,8 @@ def dispatch_call(x: object, topk_idx: object, topk_weights: object, stats: obje
             checks.check_tensor("topk_idx", topk_idx, dtype=torch.int64, shape=(num_tokens, None), device=device)
             assert isinstance(topk_idx, torch.Tensor)
             require(topk_idx.shape[1] > 0, "topk_idx must have at least one column")
-        if not (type(num_experts) is int and num_experts > 0 and num_experts % num_ranks == 0):
-            require(num_experts is not None, "dispatch without a handle needs num_experts")
-            checks.check_num_experts(num_experts, num_ranks)   # type: ignore[arg-type]
+        require(num_experts is not None, "dispatch without a handle needs num_experts")
+        checks.check_num_experts(num_experts, num_ranks)   # type: ignore[arg-type]
         checks.check_expert_ids("topk_idx", topk_idx, num_experts)   # type: ignore[arg-type]
         num_max_tokens_per_rank = default_max_tokens if num_max_tokens_per_rank is None else num_max_tokens_per_rank
         if not _positive_int(num_max_tokens_per_rank):

@@ -319,7 +319,7 @@ class ExpertLayouts:
         expand, num_expanded = request.num_expanded is not None, request.num_expanded or 0
         sizes = LayoutSizes(experts_per_rank, num_scaleup, num_rows, num_topk, num_tokens, request.num_expanded)
         device = recv_idx.device
-        block = torch.empty(sizes.words(), dtype=torch.int32, device=device)
+        block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=device)
         topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) \
             if request.copy_topk_idx else None
         setup = (launch_generation, self.rank, self.num_ranks, request.num_max_tokens_per_rank, num_topk,
