@@ -137,28 +137,18 @@ def combine_rounds(rounds: list[dict]) -> dict:
 def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argparse.Namespace,
                 x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> list[dict]:
     """Kernel shapes around the defaults, one field changed at a time, at ``--num-sms``."""
-    # block: the row-moving chunk; combine_pieces and combine_piece_ratio: how the copy-engine
-    # combine cuts each peer's block; tokens and combine_block: the reduction's tile;
-    # sender_fraction below 1/2: at EP2 the receivers copy about twice the rows the senders push;
-    # above 1/2: from EP4 on the senders carry most of the bytes over the links. At EP4 the
-    # default split is bound on both sides (more senders leave too few receivers), so the last
-    # variants give the fewer receivers larger tiles (more bytes in flight per program).
-    # interleave_channels: each dispatch channel takes its tiles of a block in turn, the order
-    # in which the ceiling's stores into a peer carried more (ceiling.py times both orders).
-    variants = [dict(), dict(warps=16), dict(rows=4), dict(rows=16), dict(block=1024), dict(block=4096),
-                dict(combine_pieces=1), dict(combine_pieces=2), dict(combine_pieces=3), dict(combine_pieces=4),
-                dict(combine_piece_ratio=1.0), dict(combine_piece_ratio=0.4),
-                dict(tokens=2), dict(tokens=8), dict(tokens=16, combine_block=1024), dict(tokens=8, combine_block=1024),
-                dict(combine_block=1024), dict(combine_block=4096),
-                # the combine with SM senders only
-                dict(copy_engine_combine=False, combine_sender_fraction=0.5),
-                dict(sender_fraction=1 / 3), dict(sender_fraction=0.4), dict(sender_fraction=0.58),
-                dict(sender_fraction=0.625), dict(sender_fraction=0.67),
-                dict(sender_fraction=0.5, combine_sender_fraction=0.25),
-                dict(sender_fraction=0.75, combine_sender_fraction=0.5),
-                dict(sender_fraction=0.58, rows=16), dict(sender_fraction=0.625, rows=16),
-                dict(sender_fraction=0.625, block=4096), dict(sender_fraction=0.67, rows=16),
-                dict(interleave_channels=True), dict(interleave_channels=True, sender_fraction=1 / 3)]
+    # tokens, combine_block and warps: the combine's reduction tile ([tokens, combine_block] of
+    # each source per step), whose larger sizes carried more at EP4; combine_pieces: how the
+    # copy-engine combine cuts each peer's block; sender_fraction 1/3: the dispatch's best split
+    # at EP4; interleave_channels: each dispatch channel takes its tiles of a block in turn, the
+    # order in which the ceiling's stores into a peer carried more (ceiling.py times both orders).
+    variants = [dict(), dict(warps=16), dict(tokens=8), dict(tokens=16), dict(tokens=8, combine_block=4096),
+                dict(tokens=16, combine_block=1024), dict(tokens=16, combine_block=2048),
+                dict(tokens=32, combine_block=512), dict(tokens=32, combine_block=1024),
+                dict(tokens=16, combine_block=1024, warps=16), dict(tokens=16, combine_block=1024, stage=64),
+                dict(tokens=16, combine_block=1024, combine_pieces=3), dict(combine_pieces=3),
+                dict(sender_fraction=1 / 3), dict(interleave_channels=True),
+                dict(interleave_channels=True, sender_fraction=1 / 3), dict(interleave_channels=True, warps=16)]
     results = []
     for change in variants:
         with changed_tuning(buffer, **change) as fields:

@@ -184,25 +184,36 @@ def no_sync_dispatch_outcomes(group) -> tuple[bool, str]:
     x = torch.randn(T, H, **cpu).to(torch.bfloat16).to(buffer.device)
     kwargs = dict(topk_idx=torch.rand(T, E, **cpu).topk(K, dim=1).indices.to(buffer.device),
                   topk_weights=torch.rand(T, K, **cpu).to(buffer.device), num_experts=E, do_cpu_sync=False)
-    recv_x, _, _, handle, _ = buffer.dispatch(x, **kwargs)
-    left_a_check = buffer.backend.normal.state.unchecked_padding is not None
-    buffer.combine(recv_x, handle)
     try:
-        # The exchange reports the disagreement in the status word: the next call raises.
-        recv_x, _, _, handle, _ = buffer.dispatch(x, num_max_tokens_per_rank=T + group.rank(), **kwargs)
+        recv_x, _, _, handle, _ = buffer.dispatch(x, **kwargs)
+        left_a_check = buffer.backend.normal.state.unchecked_padding is not None
         buffer.combine(recv_x, handle)
-    except deep_ep.InputError as error:
-        return left_a_check, str(error)
-    return left_a_check, ""
+        try:
+            # The exchange reports the disagreement in the status word: the next call raises.
+            recv_x, _, _, handle, _ = buffer.dispatch(x, num_max_tokens_per_rank=T + group.rank(), **kwargs)
+            buffer.combine(recv_x, handle)
+        except deep_ep.InputError as error:
+            return left_a_check, str(error)
+        return left_a_check, ""
+    finally:
+        buffer.destroy()
+
+
+def check_no_sync_outcomes(outcomes: list[tuple[bool, str]]) -> None:
+    for rank, (left_a_check, message) in enumerate(outcomes):
+        assert not left_a_check, f"rank {rank}: the no-sync dispatch left a host-waiting padding check"
+        assert "num_max_tokens_per_rank" in message and "cannot be used any more" in message, (rank, message)
 
 
 def test_interpreter_dispatch_without_cpu_sync_leaves_no_host_wait_and_catches_other_t(interpreter_pools):
     """Every rank passes the same T, which the count exchange compares, so padding to R x T
     needs no check that waits for the GPU; ranks that pass different T all raise, naming T."""
-    outcomes = interpreter_pools(2).run(no_sync_dispatch_outcomes)
-    for rank, (left_a_check, message) in enumerate(outcomes):
-        assert not left_a_check, f"rank {rank}: the no-sync dispatch left a host-waiting padding check"
-        assert "num_max_tokens_per_rank" in message and "cannot be used any more" in message, (rank, message)
+    check_no_sync_outcomes(interpreter_pools(2).run(no_sync_dispatch_outcomes))
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_gpu_dispatch_without_cpu_sync_leaves_no_host_wait_and_catches_other_t(gpu_pool):
+    check_no_sync_outcomes(gpu_pool.run(no_sync_dispatch_outcomes))
 
 
 @pytest.mark.gpu(min_gpus=1)
