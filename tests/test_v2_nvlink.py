@@ -180,7 +180,7 @@ def no_sync_dispatch_outcomes(group) -> tuple[bool, str]:
     with environment({"TRITONEP_BACKEND": "nvlink"}):
         buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=2 * T, hidden=H, num_topk=K,
                                        explicitly_destroy=True)
-    cpu = dict(generator=torch.Generator().manual_seed(group.rank()), dtype=torch.float32)
+    cpu = dict(generator=torch.Generator().manual_seed(group.rank()), dtype=torch.float32, device="cpu")
     x = torch.randn(T, H, **cpu).to(torch.bfloat16).to(buffer.device)
     kwargs = dict(topk_idx=torch.rand(T, E, **cpu).topk(K, dim=1).indices.to(buffer.device),
                   topk_weights=torch.rand(T, K, **cpu).to(buffer.device), num_experts=E, do_cpu_sync=False)
