@@ -47,13 +47,15 @@ def measure(group: dist.ProcessGroup, remote_bytes: int, iters: int) -> dict:
     used everywhere: symmetric memory has one size): GB/s out per GPU of each way, and the best."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    from .push_kernel import push
+    from .push_kernel import BLOCK, push
 
     rank, num_ranks = group.rank(), group.size()
     if num_ranks == 1:
         return {"skipped": "one rank: no peers"}
     device = torch.device("cuda", torch.cuda.current_device())
-    words = max(int(timing.slowest(group, remote_bytes)) // (num_ranks - 1) // 8 // 2 * 2, 2)
+    # Whole blocks per peer: chunks start 16-byte aligned and the kernel's word count divides by
+    # 16, so its loads and stores are 16-byte vectors.
+    words = max(int(timing.slowest(group, remote_bytes)) // (num_ranks - 1) // 8 // BLOCK * BLOCK, BLOCK)
     memory = symm_mem.empty(words * num_ranks, dtype=torch.int64, device=device)
     handle = symm_mem.rendezvous(memory, group.group_name)
     peers = [(rank + step) % num_ranks for step in range(1, num_ranks)]

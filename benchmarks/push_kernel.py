@@ -20,7 +20,10 @@ def _push_kernel(sources_ptr, targets_ptr, words_per_peer, num_peers, BLOCK: tl.
     programs_per_peer = tl.num_programs(0) // num_peers
     peer = tl.program_id(0) // programs_per_peer
     part = tl.program_id(0) % programs_per_peer
-    target = tl.load(targets_ptr + peer).to(tl.pointer_type(tl.int64))
+    # The targets are 16-byte aligned (ceiling.py cuts the chunks so), which the compiler cannot
+    # see in an address loaded from memory: saying so lets the stores be 16-byte vectors, as the
+    # library's kernels store rows.
+    target = tl.multiple_of(tl.load(targets_ptr + peer).to(tl.pointer_type(tl.int64)), 16)
     source = sources_ptr + peer.to(tl.int64) * words_per_peer
     if STRIDED:
         begin, end, step = part * BLOCK, words_per_peer, programs_per_peer * BLOCK

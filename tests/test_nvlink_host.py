@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_ends, pieces_per_peer
-from tritonep.backends.nvlink.tuning import Tuning, combine_tile_tokens, tile_block, tile_rows, with_changes  # noqa: E402
+from tritonep.backends.nvlink.tuning import Tuning, combine_tile, tile_block, tile_rows, with_changes  # noqa: E402
 from tritonep.core import routing  # noqa: E402
 from tritonep.runtime.side_streams import PeerStreams  # noqa: E402
 
@@ -72,11 +72,14 @@ def test_pieces_per_peer_keep_the_host_issue_bounded() -> None:
     assert pieces_per_peer(8, 3) == 3 and pieces_per_peer(2, 1) == 1
 
 
-def test_combine_tile_tokens_by_rank_count() -> None:
-    """The combine's reduction tile: 8 tokens at one rank (one copy per token to load), 4 at
-    every other rank count until measured there; a set value is kept."""
-    assert [combine_tile_tokens(0, r) for r in (1, 2, 3, 4, 8)] == [8, 4, 4, 4, 4]
-    assert combine_tile_tokens(2, 1) == 2 and combine_tile_tokens(1, 8) == 1
+def test_combine_tile_by_rank_count() -> None:
+    """The combine's reduction tile: 8 x 2048 at one rank; past it 16 tokens and about 64K
+    elements over all sources' chunks; set values are kept."""
+    assert [combine_tile(0, 0, r) for r in (1, 2, 3, 4, 8)] == [(8, 2048), (16, 2048), (16, 1024), (16, 1024),
+                                                              (16, 512)]
+    assert all(t * b * r <= 1 << 16 for r in range(2, 65) for t, b in [combine_tile(0, 0, r)])
+    assert combine_tile(2, 0, 1) == (2, 2048) and combine_tile(1, 4096, 8) == (1, 4096)
+    assert combine_tile(32, 0, 4) == (32, 512)
 
 
 def test_tile_rows_keep_about_128_kb_per_tile() -> None:

@@ -189,9 +189,13 @@ def no_sync_dispatch_outcomes(group) -> tuple[bool, str]:
         left_a_check = buffer.backend.normal.state.unchecked_padding is not None
         buffer.combine(recv_x, handle)
         try:
-            # The exchange reports the disagreement in the status word: the next call raises.
+            # The exchange reports the disagreement in the status word, which the host reads
+            # without waiting: a call that starts once the exchange has finished raises.
             recv_x, _, _, handle, _ = buffer.dispatch(x, num_max_tokens_per_rank=T + group.rank(), **kwargs)
             buffer.combine(recv_x, handle)
+            if buffer.device.type == "cuda":
+                torch.cuda.synchronize(buffer.device)
+            buffer.dispatch(x, **kwargs)
         except deep_ep.InputError as error:
             return left_a_check, str(error)
         return left_a_check, ""

@@ -28,8 +28,8 @@ class Tuning:
     rows: int = 0              # rows per tile; 0: by row size (tile_rows)
     block: int = 0             # columns per chunk; 0: tile_block
     warps: int = 32
-    tokens: int = 0            # combine's tokens per reduction tile; 0: by rank count (combine_tile_tokens)
-    combine_block: int = 2048  # columns per reduced tile
+    tokens: int = 0            # combine's reduction tile: tokens, and columns per source;
+    combine_block: int = 0     # 0: by rank count (combine_tile)
     stage: int = 32
     # Dispatch channels take their ROWS-row tiles of each block in turn (channel c of N: tiles
     # c, c+N, ...) instead of a contiguous span each: the order in which stores into a peer
@@ -113,14 +113,20 @@ def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
     return senders, total - senders
 
 
-def combine_tile_tokens(tokens: int, num_ranks: int) -> int:
-    """Tokens per tile of the combine's reduction: ``tokens`` if set, else 8 at one rank and 4
-    otherwise. A tile loads one [tokens, block] chunk per rank a token went to, so at one rank
-    4 tokens keep too few bytes in flight per program to cover the load latency; with more
-    ranks each tile already loads one chunk per rank (docs/findings.md gives the figures)."""
-    if tokens:
-        return tokens
-    return 8 if num_ranks == 1 else 4
+def combine_tile(tokens: int, block: int, num_ranks: int) -> tuple[int, int]:
+    """(tokens, columns) of the combine's reduction tile: ``tokens`` and ``block`` where set.
+    A tile loads one [tokens, columns] chunk of bf16 per source rank before it sums them, so
+    the bytes in flight per program grow with the rank count: past one rank the tile keeps 16
+    tokens and about 64K elements in all (EP2 2048 columns, EP4 1024, EP8 512), the size that
+    beat smaller and larger tiles at EP2 and EP4 alike; one rank keeps 8 x 2048
+    (docs/findings.md gives the figures)."""
+    if num_ranks == 1:
+        return tokens or 8, block or 2048
+    tokens = tokens or 16
+    if not block:
+        fit = max(64, (1 << 16) // (tokens * num_ranks))
+        block = 1 << (fit.bit_length() - 1)
+    return tokens, block
 
 
 def tile_rows(rows: int, row_bytes: int) -> int:

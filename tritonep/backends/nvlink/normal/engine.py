@@ -37,7 +37,7 @@ from tritonep.backends.nvlink.normal.notify_kernel import check_word
 from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
 from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
 from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
-from tritonep.backends.nvlink.tuning import Tuning, combine_tile_tokens, split_programs, tile_block, tile_shape
+from tritonep.backends.nvlink.tuning import Tuning, combine_tile, split_programs, tile_block, tile_shape
 from tritonep.core.checks import InputError
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import DispatchHandle
@@ -303,6 +303,7 @@ class NormalEngine:
             def make() -> dict:
                 shape = tile_shape(t.rows, 2 * hidden)
                 pow2 = triton.next_power_of_2
+                tokens, block = combine_tile(t.tokens, t.combine_block, R)
                 signals = memory.signals
                 # SM senders publish per channel, the copy engines per source (combine_kernel.py).
                 tails = dict(TAIL_WORD=signals.combine_tail, TAIL_STRIDE=MAX_CHANNELS) if senders else \
@@ -312,8 +313,8 @@ class NormalEngine:
                     NUM_RANKS=R, RANKS_PAD=pow2(R), HAS_WEIGHTS=topk_weights is not None,
                     OWN_SLOTS=own_slots is not None,
                     NUM_TOPK=max(num_topk, 1), TOPK_PAD=pow2(max(num_topk, 1)), HAS_BIAS0=bias[0] is not None,
-                    HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), t.combine_block),
-                    TOKENS=combine_tile_tokens(t.tokens, R), STAGE=t.stage, GPU=GPU_KERNELS,
+                    HAS_BIAS1=bias[1] is not None, BLOCK=min(pow2(hidden), block),
+                    TOKENS=tokens, STAGE=t.stage, GPU=GPU_KERNELS,
                     COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
                     NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=channels, **shape)
             return make
