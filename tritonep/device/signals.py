@@ -73,6 +73,17 @@ def add_release(pointer, value):
     tl.atomic_add(pointer, value, sem="release", scope="sys")
 
 
+# Spins of a wait between its reads of the status word (``failed``).
+STATUS_POLL_SPINS = tl.constexpr(64)
+
+
+@triton.jit
+def failed(status_ptr):
+    """Whether this rank's status word holds an error (a shrink-mode notice is none)."""
+    status = tl.load(status_ptr, volatile=True)
+    return (status != 0) & ((status & MASKED_BIT) == 0)
+
+
 @triton.jit
 def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.constexpr):
     """Spin until ``*pointer >= target``; returns the value seen.
@@ -80,6 +91,13 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
     On timeout, writes ``phase * 65536 + peer + 1`` to ``status_ptr`` and returns a value
     above any real counter (``TIMED_OUT``), so callers stop waiting and finish quickly; the
     host then raises instead of handing out the result.
+
+    It also gives up, writing nothing, once the status word holds an error already: a failure
+    found on the GPU after the host handed out the call (ranks that disagreed at a count
+    exchange it did not read back, another wait's time-out) reaches the host only at its next
+    call. A rank that gets there first raises and makes no more calls, so the others, whose
+    kernels were queued before it, must not wait for it; they raise at their next call, with
+    the first error, which no later time-out overwrites.
     """
     value = load_acquire(pointer, GPU)
     start = now_ns(GPU)
@@ -92,9 +110,12 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
             expired = (now_ns(GPU) - start) > timeout_ns
         else:
             expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
+        if spins % STATUS_POLL_SPINS == 0:   # the status word is host memory: a slower read
+            expired = expired | failed(status_ptr)
     if expired & (value < target):   # not when the last poll saw it arrive as the time ran out
-        # Tensor first: under the interpreter a constexpr plus a tensor stays a constexpr.
-        tl.store(status_ptr, (peer + phase * 65536 + 1).to(tl.int64))
+        if failed(status_ptr) == 0:
+            # Tensor first: under the interpreter a constexpr plus a tensor stays a constexpr.
+            tl.store(status_ptr, (peer + phase * 65536 + 1).to(tl.int64))
         value = target + (1 << 56)
     tl.debug_barrier()
     return value
