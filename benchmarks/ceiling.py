@@ -3,14 +3,17 @@ bytes to every peer at once, as a dispatch or combine does.
 
 Each rank sends a chunk of ``remote_bytes / (R - 1)`` random bytes to each peer, straight into
 the peer's symmetric memory, all ranks at once, peers in rotated order (rank + 1, rank + 2, ...)
-so that no peer is everyone's first. Measured two ways in the same run: SM stores from one
+so that no peer is everyone's first. Measured three ways in the same run: SM stores from one
 Triton kernel (``push_kernel``, at several program counts, each program taking a peer's blocks
-in turn or a contiguous span of them) and the copy engines (one stream per peer, no SM). The
-ceiling is the best of them; each way is checked to deliver every chunk before it is timed.
+in turn or a contiguous span of them), the copy engines (one stream per peer, no SM), and both
+at once (the copy engines take a share of each chunk, SM stores the rest). The ceiling is the
+best of them; each way is checked to deliver every chunk before it is timed.
 Timing as for the calls (``timing.median_us``); GB/s = remote bytes out per GPU / time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from . import timing
 
 PROGRAM_COUNTS = (24, 48, 96)   # programs of the SM kernel, split evenly over the peers
+SPLIT_SHARES = (0.5, 0.7)       # the copy engines' share of the bytes when both push at once
 
 
 def _chunk(source: int, target: int, words: int, num_ranks: int, device: torch.device) -> torch.Tensor:
@@ -64,14 +68,25 @@ def measure(group: dist.ProcessGroup, remote_bytes: int, iters: int) -> dict:
     addresses = torch.tensor([target.data_ptr() for target in targets], dtype=torch.int64, device=device)
     streams = [torch.cuda.Stream() for _ in peers]
 
-    def copy_engines() -> None:
+    def copy_engines(head: int = words, sm_push: Callable[[], None] | None = None) -> None:
+        """The first ``head`` words of each peer's chunk on the copy engines; ``sm_push`` (the
+        rest) on the SMs meanwhile."""
         current = torch.cuda.current_stream()
         for index, (target, stream) in enumerate(zip(targets, streams)):
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
-                target.copy_(sources[index * words:(index + 1) * words], non_blocking=True)
+                target[:head].copy_(sources[index * words:index * words + head], non_blocking=True)
+        if sm_push is not None:
+            sm_push()
         for stream in streams:
             current.wait_stream(stream)
+
+    def split(share: float, programs_per_peer: int) -> Callable[[], None]:
+        """Copy engines and SM stores at once, the copy engines taking ``share`` of the bytes."""
+        head = round(words * share / BLOCK) * BLOCK
+        tails = sources.view(len(peers), words)[:, head:].contiguous().view(-1)
+        tail_addresses = addresses + head * 8
+        return lambda: copy_engines(head, lambda: push(tails, tail_addresses, programs_per_peer))
 
     per_peer = sorted({max(programs // len(peers), 1) for programs in PROGRAM_COUNTS})
     ways = {}
@@ -80,6 +95,10 @@ def measure(group: dist.ProcessGroup, remote_bytes: int, iters: int) -> dict:
             ways[f"sm_stores_{n * len(peers)}_programs{suffix}"] = lambda n=n, strided=strided: push(
                 sources, addresses, n, strided)
     ways["copy_engines"] = copy_engines
+    # Both at once, as a design that splits a call's bytes between them would run.
+    for share in SPLIT_SHARES:
+        for n in (per_peer[0], per_peer[-1]):
+            ways[f"copy_engines_{round(share * 100)}pct_and_sm_stores_{n * len(peers)}_programs"] = split(share, n)
     sent = words * 8 * len(peers)
     report: dict = {"remote_bytes": sent, "gbps": {}}
     for name, way in ways.items():
