@@ -140,15 +140,13 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
     # tokens, combine_block and warps: the combine's reduction tile ([tokens, combine_block] of
     # each source per step), whose larger sizes carried more at EP4; combine_pieces: how the
     # copy-engine combine cuts each peer's block; sender_fraction 1/3: the dispatch's best split
-    # at EP4; interleave_channels: each dispatch channel takes its tiles of a block in turn, the
-    # order in which the ceiling's stores into a peer carried more (ceiling.py times both orders).
+    # at EP4.
     variants = [dict(), dict(warps=16), dict(tokens=8), dict(tokens=16), dict(tokens=8, combine_block=4096),
                 dict(tokens=16, combine_block=1024), dict(tokens=16, combine_block=2048),
                 dict(tokens=32, combine_block=512), dict(tokens=32, combine_block=1024),
                 dict(tokens=16, combine_block=1024, warps=16), dict(tokens=16, combine_block=1024, stage=64),
                 dict(tokens=16, combine_block=1024, combine_pieces=3), dict(combine_pieces=3),
-                dict(sender_fraction=1 / 3), dict(interleave_channels=True),
-                dict(interleave_channels=True, sender_fraction=1 / 3), dict(interleave_channels=True, warps=16)]
+                dict(sender_fraction=1 / 3)]
     results = []
     for change in variants:
         with changed_tuning(buffer, **change) as fields:

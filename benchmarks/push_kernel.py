@@ -15,8 +15,8 @@ WARPS = 16
 def _push_kernel(sources_ptr, targets_ptr, words_per_peer, num_peers, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
     # STRIDED: the programs of one peer take its blocks in turn (block part, part + P, ...), the
     # shared probe's order; else each takes a contiguous span, as a dispatch channel takes its
-    # rows. Both are timed: whether the order alone moves what the links carry decides whether
-    # the dispatch's channels should interleave their rows.
+    # rows. Both are timed; once the stores were 16-byte vectors they carried the same, so the
+    # dispatch's channels keep their contiguous spans.
     programs_per_peer = tl.num_programs(0) // num_peers
     peer = tl.program_id(0) // programs_per_peer
     part = tl.program_id(0) % programs_per_peer

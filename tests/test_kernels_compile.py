@@ -98,14 +98,11 @@ def test_expert_layout_kernel_compiles(expand: bool, has_stats: bool, copy_topk:
              BLOCK_SLOTS=256, EXPAND=expand))
 
 
-# (send, receive): the send half, the receive half, or both in one launch; interleave: the
-# channels' tiles taken in turn (Tuning.interleave_channels).
-@pytest.mark.parametrize("has_scales,has_topk,send,receive,interleave", [
-    (False, True, True, False, False), (True, True, True, False, False), (False, False, True, False, False),
-    (False, True, False, True, False), (True, True, False, True, False), (False, True, True, True, False),
-    (True, False, True, True, False), (True, True, True, False, True), (True, True, True, True, True)])
-def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, receive: bool,
-                                  interleave: bool) -> None:
+# (send, receive): the send half, the receive half, or both in one launch.
+@pytest.mark.parametrize("has_scales,has_topk,send,receive", [
+    (False, True, True, False), (True, True, True, False), (False, False, True, False), (False, True, False, True),
+    (True, True, False, True), (False, True, True, True), (True, False, True, True)])
+def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, receive: bool) -> None:
     kernel = compile_for_hopper(
         dispatch_kernel,
         dict(x_ptr=I32, x_words=3584, scales_ptr=I32, scale_words=56, scale_token_stride=56, scale_col_stride=1,
@@ -118,7 +115,7 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, 
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12, SEND=send,
              RECEIVE=receive, HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8,
-             BLOCK=2048, SIGNAL_EVERY=4, INTERLEAVE=interleave),
+             BLOCK=2048, SIGNAL_EVERY=4),
         num_warps=16)
     # The waits use acquire loads and the timer: check the inline PTX made it into the kernel.
     assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]

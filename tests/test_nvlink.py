@@ -74,23 +74,6 @@ def test_interpreter_tuning_variants(interpreter_pools, tuning: dict) -> None:
         _check(interpreter_pools(num_ranks), case, tuning=tuning)
 
 
-# Dispatch channels taking their tiles of each block in turn (interleave_channels): blocks of
-# uneven sizes, of no rows and of one, fp8 rows with scales, cached dispatches repeated, and
-# program counts that change the channel counts; with rows=4 a channel takes several tiles and
-# its receiver copies them as the sender's progress comes in, past several signals.
-INTERLEAVED_CASES = [
-    Case(seed=50, tokens=(37, 1, 0), hidden=128, num_experts=12, num_topk=2, num_sms=5),
-    Case(seed=51, tokens=(40, 23, 9), hidden=256, num_experts=12, num_topk=3, fp8=True, num_sms=3, repeats=2),
-    Case(seed=52, tokens=(60, 45, 30), hidden=128, num_experts=6, num_topk=2, routing="skewed", num_sms=2, repeats=2),
-    Case(seed=53, tokens=(13, 29, 7), hidden=128, num_experts=12, num_topk=2, bias=True, num_sms=8),
-]
-
-
-@pytest.mark.parametrize("rows", [0, 4])
-def test_interpreter_interleaved_channels(interpreter_pools, rows: int) -> None:
-    _check(interpreter_pools(3), INTERLEAVED_CASES, tuning=dict(interleave_channels=True, rows=rows))
-
-
 def test_interpreter_repeated_calls_reuse_staging(interpreter_pools) -> None:
     """Calls back to back with different program counts: the done-counters must still tell a
     sender when the peer's staging is free (a fixed-count assumption hangs here)."""

@@ -125,7 +125,5 @@ def test_tuning_reads_every_field_from_its_variable(monkeypatch) -> None:
     monkeypatch.setenv("TRITONEP_TIMEOUT_S", "2.5")
     monkeypatch.setenv("TRITONEP_COMBINE_COPY_ENGINE", "0")
     monkeypatch.setenv("TRITONEP_LL_ROWS", "2")
-    monkeypatch.setenv("TRITONEP_DISPATCH_INTERLEAVE", "1")
     tuning = Tuning.from_environment()
     assert (tuning.timeout_ns, tuning.copy_engine_combine, tuning.low_latency_rows) == (2_500_000_000, False, 2)
-    assert tuning.interleave_channels is True and Tuning().interleave_channels is False

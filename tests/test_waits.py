@@ -29,7 +29,8 @@ TIMED_OUT = int(PHASE_COMBINE_DATA) * 65536 + PEER + 1
 
 @triton.jit
 def wait_kernel(counter_ptr, target, status_ptr, timeout_ns, peer, out_ptr):
-    tl.store(out_ptr, wait_at_least(counter_ptr, target.to(tl.int64), status_ptr, timeout_ns, PHASE_COMBINE_DATA, peer, False))
+    tl.store(out_ptr,
+             wait_at_least(counter_ptr, target.to(tl.int64), status_ptr, timeout_ns, PHASE_COMBINE_DATA, peer, False))
 
 
 def probe() -> dict:

@@ -56,48 +56,6 @@ def channel_range(count, channel, NUM_CHANNELS: tl.constexpr):
 
 
 @triton.jit
-def channel_sequence(count, channel, NUM_CHANNELS: tl.constexpr, ROWS: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """Positions [lo, hi) of the rows channel ``channel`` of ``NUM_CHANNELS`` moves of a
-    ``count``-row block, in the order it moves them: progress counts positions.
-
-    Contiguous (``INTERLEAVE`` off): the channel's span of ``channel_range``, a position being
-    its row. Interleaved: the block's ``ROWS``-row tiles taken in turn, the channel's being
-    tiles ``channel``, ``channel + NUM_CHANNELS``, ...; its positions run from 0 over their
-    rows (the block's last tile may be partial). Either way the ``ROWS`` positions from ``lo``,
-    or from ``ROWS`` past such a run, are consecutive rows of the block from ``tile_row``.
-    """
-    if INTERLEAVE:
-        tiles = tl.cdiv(count, ROWS)
-        mine = tl.cdiv(tl.maximum(tiles - channel, 0), NUM_CHANNELS)
-        # The block's last tile is short by this many rows; it is the channel's if it is the
-        # channel's turn.
-        short = tl.where((count > 0) & ((tiles - 1) % NUM_CHANNELS == channel), tiles * ROWS - count, 0)
-        return 0, mine * ROWS - short
-    else:
-        return channel_range(count, channel, NUM_CHANNELS)
-
-
-@triton.jit
-def tile_row(position, channel, NUM_CHANNELS: tl.constexpr, ROWS: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """The block row of a tile's first ``position`` in channel ``channel``'s sequence
-    (``channel_sequence``): interleaved, position k starts block tile ``channel + (k // ROWS)
-    * NUM_CHANNELS``."""
-    if INTERLEAVE:
-        return (channel + (position // ROWS) * NUM_CHANNELS) * ROWS
-    else:
-        return position
-
-
-@triton.jit
-def tile_step(NUM_CHANNELS: tl.constexpr, ROWS: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """Block rows from a tile of a channel's sequence to its next (``tile_row``)."""
-    if INTERLEAVE:
-        return NUM_CHANNELS * ROWS
-    else:
-        return ROWS
-
-
-@triton.jit
 def lane_column(tile, present, lanes, lane):
     """Column ``lane`` of a [rows, lanes] int tile, as [rows], and whether each row's entry there
     is ``present`` (a [rows, lanes] bool tile). ``lanes``: the tile's lane indices. A tile has

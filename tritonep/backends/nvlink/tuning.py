@@ -31,10 +31,6 @@ class Tuning:
     tokens: int = 0            # combine's reduction tile: tokens, and columns per source;
     combine_block: int = 0     # 0: by rank count (combine_tile)
     stage: int = 32
-    # Dispatch channels take their ROWS-row tiles of each block in turn (channel c of N: tiles
-    # c, c+N, ...) instead of a contiguous span each: the order in which stores into a peer
-    # carried more in the bench's link ceiling (benchmarks/ceiling.py); off until measured.
-    interleave_channels: bool = False
     # Combine rows cross NVLink on the copy engines when the dispatch read its counts back, in
     # this many pieces per peer (each piece costs a copy and a stream write on the host, and a
     # few microseconds between them on the GPU, so a few large pieces beat many small ones);
@@ -88,7 +84,6 @@ ENVIRONMENT = {
     "tokens": "TRITONEP_REDUCE_TOKENS",
     "combine_block": "TRITONEP_COMBINE_BLOCK",
     "stage": "TRITONEP_STAGE",
-    "interleave_channels": "TRITONEP_DISPATCH_INTERLEAVE",
     "copy_engine_combine": "TRITONEP_COMBINE_COPY_ENGINE",
     "combine_pieces": "TRITONEP_COMBINE_PIECES",
     "combine_piece_ratio": "TRITONEP_COMBINE_PIECE_RATIO",

@@ -8,13 +8,10 @@ puts on two streams:
 
 * **The send half** (``NUM_SENDERS`` programs) splits each peer's send list into
   ``NUM_SENDERS`` channels, gathers the rows from ``x`` and stores them into the peer's
-  staging area at their final index. A channel takes a contiguous span of the list, or with
-  ``INTERLEAVE`` its ``ROWS``-row tiles in turn (channel c: tiles c, c + NUM_SENDERS, ...;
-  ``rows.channel_sequence``), the order in which a link probe's stores carried more
-  (``benchmarks/ceiling.py`` times both). Every ``SIGNAL_EVERY`` tiles it publishes the
-  channel's progress, ``(epoch << 32) | rows`` (rows of its own order), into the peer's
-  signal area. It writes no output, so a fresh dispatch launches it before the host has read
-  the counts back: rows move while the host sizes and allocates the outputs.
+  staging area at their final index. Every ``SIGNAL_EVERY`` tiles it publishes the channel's
+  progress, ``(epoch << 32) | rows``, into the peer's signal area. It writes no output, so a
+  fresh dispatch launches it before the host has read the counts back: rows move while the
+  host sizes and allocates the outputs.
 * **The receive half** (``NUM_RECEIVERS`` programs) gathers our own rows from ``x`` into the
   outputs, then follows the peers' progress counters, channel by channel, and copies arrived
   rows from staging into the outputs, overlapping the transfer. A fresh dispatch launches it
@@ -39,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tritonep.device.rows import block_count, block_start, channel_sequence, copy_rows, tile_row, tile_step
+from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
 from tritonep.device.signals import add_release, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT
 from tritonep.runtime import kernel_names
@@ -86,27 +83,22 @@ def _store_row_fields(scales, experts, weights, src, dst_scales, dst_idx, dst_we
 
 @triton.jit
 def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
-               topk_weights_ptr, send_list, lo, hi, channel, start, row_limit, destination, experts_per_rank, dst_x,
-               dst_scales, dst_idx, dst_weights, dst_src, tail, stamp, PUBLISH: tl.constexpr, HAS_SCALES: tl.constexpr,
+               topk_weights_ptr, send_list, lo, hi, start, row_limit, destination, experts_per_rank, dst_x, dst_scales,
+               dst_idx, dst_weights, dst_src, tail, stamp, PUBLISH: tl.constexpr, HAS_SCALES: tl.constexpr,
                HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr,
-               ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr, NUM_CHANNELS: tl.constexpr,
-               INTERLEAVE: tl.constexpr):
-    """Positions [lo, hi) of channel ``channel``'s sequence (``channel_sequence``) of a send list,
-    gathered from ``x`` into rows ``start + (block row)`` of the destination arrays (a peer's
-    staging, or our own outputs); with ``PUBLISH`` the progress, in positions, goes to ``tail``
-    every ``SIGNAL_EVERY`` tiles and at the end."""
+               ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr):
+    """Rows [lo, hi) of a send list, gathered from ``x`` into rows ``start + lo ...`` of the
+    destination arrays (a peer's staging, or our own outputs); with ``PUBLISH`` the progress
+    goes to ``tail`` every ``SIGNAL_EVERY`` tiles and at the end."""
     tiles = 0
     # Token ids are fetched one tile ahead, so each tile waits for one load latency, not two.
-    next_tokens = tl.load(send_list + tile_row(lo, channel, NUM_CHANNELS, ROWS, INTERLEAVE) + tl.arange(0, ROWS),
-                          mask=lo + tl.arange(0, ROWS) < hi, other=0)
+    next_tokens = tl.load(send_list + lo + tl.arange(0, ROWS), mask=lo + tl.arange(0, ROWS) < hi, other=0)
     for row0 in range(lo, hi, ROWS):
-        positions = row0 + tl.arange(0, ROWS)
-        rows = tile_row(row0, channel, NUM_CHANNELS, ROWS, INTERLEAVE) + tl.arange(0, ROWS)
+        rows = row0 + tl.arange(0, ROWS)
         dst_rows = start + rows
-        mask = (positions < hi) & (dst_rows < row_limit)
+        mask = (rows < hi) & (dst_rows < row_limit)
         tokens = next_tokens
-        next_tokens = tl.load(send_list + rows + tile_step(NUM_CHANNELS, ROWS, INTERLEAVE), mask=positions + ROWS < hi,
-                              other=0)
+        next_tokens = tl.load(send_list + rows + ROWS, mask=rows + ROWS < hi, other=0)
         # The small fields are loaded before the row moves and stored after it: their load
         # latency hides behind the row's instead of adding to it, tile after tile.
         scales = None
@@ -174,7 +166,7 @@ def dispatch_kernel(
     NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr, SEND: tl.constexpr,
     RECEIVE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    SIGNAL_EVERY: tl.constexpr, INTERLEAVE: tl.constexpr, GPU: tl.constexpr,
+    SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
 ):
     """One launch of ``NUM_SENDERS`` programs (``SEND``), of ``NUM_RECEIVERS`` (``RECEIVE``), or
     of both, senders first (``SEND`` and ``RECEIVE``)."""
@@ -191,15 +183,14 @@ def dispatch_kernel(
             # Rotated, so that the programs of all ranks spread over the links.
             destination = (rank + 1 + step) % NUM_RANKS
             start = block_start(prefix_ptr, rank, destination, NUM_RANKS)
-            lo, hi = channel_sequence(block_count(prefix_ptr, rank, destination, NUM_RANKS), pid, NUM_SENDERS, ROWS,
-                                      INTERLEAVE)
+            lo, hi = channel_range(block_count(prefix_ptr, rank, destination, NUM_RANKS), pid, NUM_SENDERS)
             peer_base = tl.load(peer_base_ptrs + destination)
             if hi > lo:
                 wait_at_least(my_signals + DONE_WORD + destination, released_target.to(tl.int64),
                               status_ptr, timeout_ns, PHASE_DISPATCH_SLOT, destination, GPU)
             # Staging starts on a 4096-byte boundary: rows move in 16-byte vectors.
             _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
-                       topk_weights_ptr, token_list_ptr + destination * token_list_stride, lo, hi, pid, start, capacity,
+                       topk_weights_ptr, token_list_ptr + destination * token_list_stride, lo, hi, start, capacity,
                        destination, experts_per_rank,
                        tl.multiple_of((peer_base + staging_x).to(tl.pointer_type(tl.int32)), 16),
                        (peer_base + staging_scales).to(tl.pointer_type(tl.int32)),
@@ -207,23 +198,21 @@ def dispatch_kernel(
                        (peer_base + staging_weights).to(tl.pointer_type(tl.float32)),
                        (peer_base + staging_src).to(tl.pointer_type(tl.int32)),
                        peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid, stamp,
-                       True, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK, SIGNAL_EVERY,
-                       NUM_SENDERS, INTERLEAVE)
+                       True, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK, SIGNAL_EVERY)
     elif _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NUM_RANKS):
         # Our own rows first (no wait: straight from x into the outputs), then the arrived rows.
         start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
-        lo, hi = channel_sequence(block_count(prefix_ptr, rank, rank, NUM_RANKS), pid, NUM_RECEIVERS, ROWS, INTERLEAVE)
+        lo, hi = channel_range(block_count(prefix_ptr, rank, rank, NUM_RANKS), pid, NUM_RECEIVERS)
         _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
-                   topk_weights_ptr, token_list_ptr + rank * token_list_stride, lo, hi, pid, start, num_out_rows, rank,
+                   topk_weights_ptr, token_list_ptr + rank * token_list_stride, lo, hi, start, num_out_rows, rank,
                    experts_per_rank, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
                    my_signals, stamp, False, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK,
-                   SIGNAL_EVERY, NUM_RECEIVERS, INTERLEAVE)
+                   SIGNAL_EVERY)
         for channel in range(pid, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
             source = (rank + 1 + channel // NUM_SENDERS) % NUM_RANKS
             sender = channel % NUM_SENDERS
             start = block_start(prefix_ptr, source, rank, NUM_RANKS)
-            lo, hi = channel_sequence(block_count(prefix_ptr, source, rank, NUM_RANKS), sender, NUM_SENDERS, ROWS,
-                                      INTERLEAVE)
+            lo, hi = channel_range(block_count(prefix_ptr, source, rank, NUM_RANKS), sender, NUM_SENDERS)
             tail = my_signals + TAIL_WORD + source * MAX_CHANNELS + sender
             done = 0
             while done < hi - lo:
@@ -239,11 +228,9 @@ def dispatch_kernel(
                 # A timed-out wait returns far above any count: give up on the channel rather
                 # than time out again at every step (the host raises at the next call).
                 arrived = tl.where(seen - stamp > (1 << 55), hi - lo, arrived)
-                # Positions past ``start`` (``done`` is a multiple of ROWS: each step is a tile).
                 for row0 in range(start + lo + done, start + lo + arrived, ROWS):
-                    positions = row0 + tl.arange(0, ROWS)
-                    rows = start + tile_row(row0 - start, sender, NUM_SENDERS, ROWS, INTERLEAVE) + tl.arange(0, ROWS)
-                    mask = (positions < start + lo + arrived) & (rows < num_out_rows)
+                    rows = row0 + tl.arange(0, ROWS)
+                    mask = (rows < start + lo + arrived) & (rows < num_out_rows)
                     _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights,
                                             staging_src, rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr,
                                             out_weights_ptr, out_src_ptr, x_words, scale_words,

@@ -78,7 +78,7 @@ class DispatchShape:
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=triton.next_power_of_2(max(num_topk, 1)), SCALE_PAD=triton.next_power_of_2(max(scale_words, 1)),
-            INTERLEAVE=t.interleave_channels, GPU=GPU_KERNELS, **tile_shape(t.rows, 4 * x_words))
+            GPU=GPU_KERNELS, **tile_shape(t.rows, 4 * x_words))
         constants["BLOCK"] = tile_block(t.block, constants["ROWS"], x_words)
         unused = placeholders(torch.int32)
         send, receive = dict(constants, SEND=True, RECEIVE=False), dict(constants, SEND=False, RECEIVE=True)
