@@ -73,8 +73,11 @@ def add_release(pointer, value):
     tl.atomic_add(pointer, value, sem="release", scope="sys")
 
 
-# Spins of a wait between its reads of the status word (``failed``).
-STATUS_POLL_SPINS = tl.constexpr(64)
+# A wait reads the status word (``failed``) only once it has lasted this long, and then every
+# so many spins: the word is host memory, and every program of every rank polling it over PCIe
+# as often as its own counter slowed the normal-mode calls several times over.
+STATUS_POLL_AFTER_NS = tl.constexpr(1_000_000)
+STATUS_POLL_SPINS = tl.constexpr(1024)
 
 
 @triton.jit
@@ -92,7 +95,8 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
     above any real counter (``TIMED_OUT``), so callers stop waiting and finish quickly; the
     host then raises instead of handing out the result.
 
-    It also gives up, writing nothing, once the status word holds an error already: a failure
+    It also gives up, writing nothing, once the status word holds an error already (read once
+    the wait has lasted a millisecond, see ``STATUS_POLL_AFTER_NS``): a failure
     found on the GPU after the host handed out the call (ranks that disagreed at a count
     exchange it did not read back, another wait's time-out) reaches the host only at its next
     call. A rank that gets there first raises and makes no more calls, so the others, whose
@@ -107,10 +111,13 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
         value = load_acquire(pointer, GPU)
         spins += 1
         if GPU:
-            expired = (now_ns(GPU) - start) > timeout_ns
+            waited = now_ns(GPU) - start
+            expired = waited > timeout_ns
+            poll = (waited > STATUS_POLL_AFTER_NS) & (spins % STATUS_POLL_SPINS == 0)
         else:
             expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
-        if spins % STATUS_POLL_SPINS == 0:   # the status word is host memory: a slower read
+            poll = spins % STATUS_POLL_SPINS == 0
+        if poll:
             expired = expired | failed(status_ptr)
     if expired & (value < target):   # not when the last poll saw it arrive as the time ran out
         if failed(status_ptr) == 0:
