@@ -73,13 +73,6 @@ def add_release(pointer, value):
     tl.atomic_add(pointer, value, sem="release", scope="sys")
 
 
-# A wait reads the status word (``failed``) only once it has lasted this long, and then every
-# so many spins: the word is host memory, and every program of every rank polling it over PCIe
-# as often as its own counter slowed the normal-mode calls several times over.
-STATUS_POLL_AFTER_NS = tl.constexpr(1_000_000)
-STATUS_POLL_SPINS = tl.constexpr(1024)
-
-
 @triton.jit
 def failed(status_ptr):
     """Whether this rank's status word holds an error (a shrink-mode notice is none)."""
@@ -95,13 +88,11 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
     above any real counter (``TIMED_OUT``), so callers stop waiting and finish quickly; the
     host then raises instead of handing out the result.
 
-    It also gives up, writing nothing, once the status word holds an error already (read once
-    the wait has lasted a millisecond, see ``STATUS_POLL_AFTER_NS``): a failure
-    found on the GPU after the host handed out the call (ranks that disagreed at a count
-    exchange it did not read back, another wait's time-out) reaches the host only at its next
-    call. A rank that gets there first raises and makes no more calls, so the others, whose
-    kernels were queued before it, must not wait for it; they raise at their next call, with
-    the first error, which no later time-out overwrites.
+    A time-out records nothing over an error the status word holds already: a failure found
+    on the GPU after the host handed out the call (ranks that disagreed at a count exchange it
+    did not read back) reaches each host only at its next call, and a rank that raises first
+    makes no more calls, so the waits of its peers' queued kernels time out; the host then
+    raises the first error, the one that explains the others.
     """
     value = load_acquire(pointer, GPU)
     start = now_ns(GPU)
@@ -111,14 +102,9 @@ def wait_at_least(pointer, target, status_ptr, timeout_ns, phase, peer, GPU: tl.
         value = load_acquire(pointer, GPU)
         spins += 1
         if GPU:
-            waited = now_ns(GPU) - start
-            expired = waited > timeout_ns
-            poll = (waited > STATUS_POLL_AFTER_NS) & (spins % STATUS_POLL_SPINS == 0)
+            expired = (now_ns(GPU) - start) > timeout_ns
         else:
             expired = spins > timeout_ns // NS_PER_INTERPRETER_SPIN
-            poll = spins % STATUS_POLL_SPINS == 0
-        if poll:
-            expired = expired | failed(status_ptr)
     if expired & (value < target):   # not when the last poll saw it arrive as the time ran out
         if failed(status_ptr) == 0:
             # Tensor first: under the interpreter a constexpr plus a tensor stays a constexpr.
