@@ -140,13 +140,15 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
     # tokens, combine_block and warps: the combine's reduction tile ([tokens, combine_block] of
     # each source per step), whose larger sizes carried more at EP4; combine_pieces: how the
     # copy-engine combine cuts each peer's block; sender_fraction 1/3: the dispatch's best split
-    # at EP4.
+    # at EP4; copy_engine_dispatch: the cached dispatch's rows received on the copy engines, every
+    # program sending (dispatch_copy_engine.py), with 32 and 16 warps.
     variants = [dict(), dict(warps=16), dict(tokens=8), dict(tokens=16), dict(tokens=8, combine_block=4096),
                 dict(tokens=16, combine_block=1024), dict(tokens=16, combine_block=2048),
                 dict(tokens=32, combine_block=512), dict(tokens=32, combine_block=1024),
                 dict(tokens=16, combine_block=1024, warps=16), dict(tokens=16, combine_block=1024, stage=64),
                 dict(tokens=16, combine_block=1024, combine_pieces=3), dict(combine_pieces=3),
-                dict(sender_fraction=1 / 3)]
+                dict(sender_fraction=1 / 3), dict(copy_engine_dispatch=True),
+                dict(copy_engine_dispatch=True, warps=16)]
     results = []
     for change in variants:
         with changed_tuning(buffer, **change) as fields:

@@ -9,7 +9,7 @@ import random
 import torch
 import torch.distributed as dist
 from deep_ep_user import dispatch_with_layout
-from nvlink_cases import make_buffer, round_trip, shared_buffers
+from nvlink_cases import Case, compare_cases, make_buffer, round_trip, shared_buffers
 
 import tritonep as deep_ep
 
@@ -28,6 +28,30 @@ def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -
     done = memory.signal_words()[first: first + group.size()].tolist()
     released = backend.normal.state.dispatch_released
     return all(count == released for peer, count in enumerate(done) if peer != group.rank())
+
+
+def copy_engine_dispatch_batch(group: dist.ProcessGroup, cases: list[Case],
+                               nvl_bytes: int) -> tuple[list[list[str]], list[dict]]:
+    """``compare_cases`` with the copy-engine receive of cached dispatches on, then its counters
+    once the GPUs are idle (reported with the last case): the staging releases as above, and
+    every peer's arrived word for this rank at the senders the host counted
+    (``dispatch_arrived``, the same on every rank), which must have grown (with 2+ ranks: one
+    rank sends nothing and takes the usual path)."""
+    nvlink, _ = shared_buffers(group, nvl_bytes)
+    state = nvlink.backend.normal.state
+    arrived_before = state.dispatch_arrived
+    problems, times = compare_cases(group, cases, nvl_bytes, dict(copy_engine_dispatch=True))
+    counters = []
+    if not staging_released_exactly(group, nvlink):
+        counters.append(f"done words differ from the {state.dispatch_released} receivers counted")
+    first = nvlink.backend.memory.signals.dispatch_arrived
+    arrived = nvlink.backend.memory.signal_words()[first: first + group.size()].tolist()
+    if any(count != state.dispatch_arrived for peer, count in enumerate(arrived) if peer != group.rank()):
+        counters.append(f"arrived words {arrived}, expected {state.dispatch_arrived} from each peer")
+    if group.size() > 1 and state.dispatch_arrived == arrived_before:
+        counters.append("no cached dispatch took the copy-engine receive")
+    problems[-1] = problems[-1] + counters
+    return problems, times
 
 
 def invalid_expert_id_error(group: dist.ProcessGroup, nvl_bytes: int = 1 << 24) -> tuple[str, bool]:

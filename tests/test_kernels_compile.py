@@ -21,6 +21,7 @@ from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_comb
 from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.combine_copy_engine import combine_piece_signal_kernel, combine_weights_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import arrival_wait_kernel, staged_fields_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.layout_kernel import LAYOUT_WARPS, dispatch_layout_kernel, layout_constants  # noqa: E402
@@ -99,10 +100,14 @@ def test_expert_layout_kernel_compiles(expand: bool, has_stats: bool, copy_topk:
 
 
 # (send, receive): the send half, the receive half, or both in one launch.
-@pytest.mark.parametrize("has_scales,has_topk,send,receive", [
-    (False, True, True, False), (True, True, True, False), (False, False, True, False), (False, True, False, True),
-    (True, True, False, True), (False, True, True, True), (True, False, True, True)])
-def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, receive: bool) -> None:
+# copy_receive: senders only, which also count themselves in the peers' arrived words and copy
+# our own rows (the copy engines receive: dispatch_copy_engine.py).
+@pytest.mark.parametrize("has_scales,has_topk,send,receive,copy_receive", [
+    (False, True, True, False, False), (True, True, True, False, False), (False, False, True, False, False),
+    (False, True, False, True, False), (True, True, False, True, False), (False, True, True, True, False),
+    (True, False, True, True, False), (True, False, True, False, True), (False, True, True, False, True)])
+def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, receive: bool,
+                                  copy_receive: bool) -> None:
     kernel = compile_for_hopper(
         dispatch_kernel,
         dict(x_ptr=I32, x_words=3584, scales_ptr=I32, scale_words=56, scale_token_stride=56, scale_col_stride=1,
@@ -113,13 +118,38 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, 
              staging_scales=1 << 28, staging_idx=1 << 29, staging_weights=1 << 30, staging_src=(1 << 30) + 4096,
              capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64,
              timeout_ns=60 * 10**9),
-        dict(TAIL_WORD=2, DONE_WORD=322, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12, NUM_RECEIVERS=12, SEND=send,
-             RECEIVE=receive, HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8,
-             BLOCK=2048, SIGNAL_EVERY=4),
+        dict(TAIL_WORD=2, DONE_WORD=322, ARRIVED_WORD=1300, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12,
+             NUM_RECEIVERS=12, SEND=send, RECEIVE=receive, COPY_RECEIVE=copy_receive, HAS_SCALES=has_scales,
+             HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8, BLOCK=2048, SIGNAL_EVERY=4),
         num_warps=16)
     # The waits use acquire loads and the timer: check the inline PTX made it into the kernel.
     assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]
     assert "%globaltimer" in kernel.asm["ptx"]
+    # Receivers release the sources' staging with a release add; senders publish per-channel
+    # tails with a release exchange, or with copy_receive count themselves with a release add.
+    ptx = kernel.asm["ptx"]
+    assert ("sys.release.add" in ptx) == (receive or copy_receive)
+    assert ("sys.release.exch" in ptx) == (send and not copy_receive)
+
+
+@pytest.mark.parametrize("has_scales,has_topk,num_ranks", [(True, False, 4), (False, False, 2), (True, True, 8)])
+def test_staged_fields_kernel_compiles(has_scales: bool, has_topk: bool, num_ranks: int) -> None:
+    kernel = compile_for_hopper(
+        staged_fields_kernel,
+        dict(prefix_ptr=I32, peer_base_ptrs=I64, rank=1, staging_scales=1 << 28, staging_idx=1 << 29,
+             staging_weights=1 << 30, staging_src=(1 << 30) + 4096, out_scales_ptr=I32,
+             out_idx_ptr=I64 if has_topk else I32, out_weights_ptr=F32 if has_topk else I32, out_src_ptr=I32,
+             scale_words=56),
+        dict(DONE_WORD=322, NUM_RANKS=num_ranks, HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8,
+             SCALE_PAD=64, ROWS=64))
+    assert "sys.release.add" in kernel.asm["ptx"]   # the sources' staging released
+
+
+def test_arrival_wait_kernel_compiles() -> None:
+    kernel = compile_for_hopper(arrival_wait_kernel,
+                                dict(peer_base_ptrs=I64, rank=1, word=1300, target=96, status_ptr=I64,
+                                     timeout_ns=60 * 10**9, source=2), {})
+    assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]
 
 
 # (senders, ranks): SM senders, or none (the rows come from the copy engines in pieces);

@@ -18,6 +18,7 @@ from case_batches import check_batch
 from combine_graph_cases import combine_host_calls, graph_combines
 from nvlink_cases import Case, compare_cases
 from nvlink_scenarios import (
+    copy_engine_dispatch_batch,
     empty_rows_from_numpy,
     fresh_dispatch_in_graph_error,
     fresh_dispatch_sequence,
@@ -63,7 +64,8 @@ def test_interpreter_matches_cpu_backend(interpreter_pools, case: Case) -> None:
 # after the host read the counts, tiles of other row counts. Each must give the CPU backend's results.
 TUNING_VARIANTS = [dict(combine_pieces=1), dict(combine_pieces=3, combine_piece_ratio=1.0),
                    dict(combine_pieces=4, combine_piece_ratio=0.3), dict(copy_engine_combine=False),
-                   dict(send_before_sync=False), dict(rows=4), dict(rows=8, sender_fraction=0.75)]
+                   dict(send_before_sync=False), dict(rows=4), dict(rows=8, sender_fraction=0.75),
+                   dict(copy_engine_dispatch=True)]
 
 
 @pytest.mark.parametrize("tuning", TUNING_VARIANTS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
@@ -72,6 +74,23 @@ def test_interpreter_tuning_variants(interpreter_pools, tuning: dict) -> None:
         case = Case(seed=seed, tokens=(23, 40, 9)[:num_ranks], hidden=256, num_experts=12, num_topk=3,
                     fp8=seed % 2 == 1, bias=True, num_sms=5)
         _check(interpreter_pools(num_ranks), case, tuning=tuning)
+
+
+# The copy-engine receive of cached dispatches (dispatch_copy_engine.py): each case makes two
+# cached dispatches after its fresh one, so calls of both paths and of several num_sms take
+# turns on the same staging. bf16 with top-k; no rows anywhere (routing "none": every source
+# still releases); fp8 with scales on 3 ranks, one of them with no tokens.
+COPY_ENGINE_DISPATCH_CASES = {
+    2: [Case(seed=61, tokens=(23, 17), hidden=256, num_experts=8, num_topk=3, num_sms=5, repeats=2),
+        Case(seed=62, tokens=(14, 9), hidden=128, num_experts=8, num_topk=2, routing="none", num_sms=3, repeats=2)],
+    3: [Case(seed=63, tokens=(19, 0, 11), hidden=256, num_experts=12, num_topk=2, fp8=True, num_sms=4, repeats=2)],
+}
+
+
+@pytest.mark.parametrize("num_ranks", sorted(COPY_ENGINE_DISPATCH_CASES))
+def test_interpreter_copy_engine_dispatch(interpreter_pools, num_ranks: int) -> None:
+    check_batch(interpreter_pools(num_ranks), copy_engine_dispatch_batch, COPY_ENGINE_DISPATCH_CASES[num_ranks],
+                1 << 22)
 
 
 def test_interpreter_repeated_calls_reuse_staging(interpreter_pools) -> None:
@@ -182,6 +201,20 @@ def test_gpu_combine_piece_paths(gpu_pool, tuning: dict) -> None:
     case = Case(seed=77, tokens=_tokens(gpu_pool, 1500, 900), hidden=7168, num_experts=_experts(gpu_pool, 64),
                 num_topk=8, num_sms=24, repeats=2)
     _check(gpu_pool, case, nvl_bytes=1 << 30, tuning=tuning)
+
+
+@pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("form", ["bf16", "fp8"])
+def test_gpu_copy_engine_dispatch(gpu_pool, form: str) -> None:
+    """The cached dispatch received on the copy engines (``Tuning.copy_engine_dispatch``) at full
+    size, three times with one handle, then a case where rank 0 has no tokens; the counters
+    must match what the hosts counted. (At one rank the mode does not apply: run with 2+.)"""
+    fp8 = form == "fp8"
+    cases = [Case(seed=78, tokens=_tokens(gpu_pool, 1500, 900), hidden=7168, num_experts=_experts(gpu_pool, 64),
+                  num_topk=8, num_sms=24, fp8=fp8, repeats=3),
+             Case(seed=79, tokens=(0,) + _tokens(gpu_pool, 700, 300)[1:], hidden=4096,
+                  num_experts=_experts(gpu_pool, 64), num_topk=4, num_sms=64, fp8=fp8, repeats=2)]
+    check_batch(gpu_pool, copy_engine_dispatch_batch, cases, 1 << 30)
 
 
 @pytest.mark.gpu(min_gpus=1)

@@ -65,8 +65,12 @@ class SignalLayout:
         return self.combine_copy_tail + self.num_ranks
 
     @property
-    def notify_payload(self) -> int:       # int32 [2 parities, R sources, payload_words]
+    def dispatch_arrived(self) -> int:     # [R]: sender programs of source s done with their rows here, ever
         return self.combine_copy_finished + 1
+
+    @property
+    def notify_payload(self) -> int:       # int32 [2 parities, R sources, payload_words]
+        return self.dispatch_arrived + self.num_ranks
 
     @property
     def payload_words(self) -> int:        # int32 words: counts per rank, local-expert counts, signature

@@ -51,6 +51,11 @@ class Tuning:
     # False: allocate after the read-back (exact outputs, the host on the GPU's critical path).
     receive_before_sync: bool = True
     fresh_slack: float = 0.0625
+    # Cached dispatch (counts known on the host): every program sends, and the arrived rows go
+    # from staging into the outputs on the copy engines (a local copy moves ~1.9 TB/s against
+    # ~25 GB/s per receiver program) instead of on half the SMs. Off until it is measured on
+    # GPUs (dispatch_copy_engine.py).
+    copy_engine_dispatch: bool = False
     # Low-latency kernels: programs per SM and warps per program of each launch (the dispatch
     # is fastest with two 8-warp programs per SM, the combine with four 4-warp programs moving
     # 4 rows per step), and the rows per step of the combine and of the dispatch's receive.
@@ -91,6 +96,7 @@ ENVIRONMENT = {
     "send_before_sync": "TRITONEP_SEND_BEFORE_SYNC",
     "receive_before_sync": "TRITONEP_RECEIVE_BEFORE_SYNC",
     "fresh_slack": "TRITONEP_FRESH_SLACK",
+    "copy_engine_dispatch": "TRITONEP_DISPATCH_COPY_ENGINE",
     "low_latency_programs_per_sm": "TRITONEP_LL_PROGRAMS_PER_SM",
     "low_latency_warps": "TRITONEP_LL_WARPS",
     "low_latency_combine_programs_per_sm": "TRITONEP_LL_COMBINE_PROGRAMS_PER_SM",

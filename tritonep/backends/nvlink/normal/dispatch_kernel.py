@@ -29,6 +29,18 @@ receiver programs of that peer finished the previous call: each receiver program
 calls will have added (``released_target``; the receiver count varies with num_sms).
 Top-k ids are turned into the destination's local expert ids on the way (-1 elsewhere,
 weight 0), so receivers copy every row field verbatim.
+
+**Copy-engine receive** (``COPY_RECEIVE``, opt-in: ``Tuning.copy_engine_dispatch``, for a
+cached dispatch whose counts the host knows). Receiving is a local copy from staging into the
+outputs (same row index in both), which a receiver program does at ~25 GB/s while a copy engine
+does ~1.9 TB/s, and SM stores push more to the peers with more programs (measured on 4 x H200:
+24 sender programs ~307 GB/s, 12 ~215 GB/s). So the launch has only senders, all num_sms of
+them: each stores its channel's rows at every destination, then adds one to the destination's
+``dispatch_arrived`` word for this rank (also when its channel was empty, so each call adds
+exactly ``NUM_SENDERS``; no tail words), then copies its share of our own rows from ``x`` into
+the outputs. A side stream waits for each source's arrived count and moves the source's block
+with a device-to-device copy, and a small kernel copies the small fields and releases the
+sources' staging (``dispatch_copy_engine.py``). Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -123,6 +135,24 @@ def _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scal
 
 
 @triton.jit
+def _copy_own_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
+                   topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr, out_x_ptr, out_scales_ptr,
+                   out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows, rank, experts_per_rank, my_signals, stamp,
+                   channel, NUM_CHANNELS: tl.constexpr, NUM_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr,
+                   HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK: tl.constexpr, SIGNAL_EVERY: tl.constexpr):
+    """Channel ``channel`` of ``NUM_CHANNELS``'s share of our own rows, straight from ``x`` into
+    the outputs (no wait, no signal)."""
+    start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
+    lo, hi = channel_range(block_count(prefix_ptr, rank, rank, NUM_RANKS), channel, NUM_CHANNELS)
+    _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
+               topk_weights_ptr, token_list_ptr + rank * token_list_stride, lo, hi, start, num_out_rows, rank,
+               experts_per_rank, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
+               my_signals, stamp, False, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK,
+               SIGNAL_EVERY)
+
+
+@triton.jit
 def _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NUM_RANKS: tl.constexpr):
     """Whether a receive launched before the host read the counts may run. ``guard_word`` (0:
     no guard) indexes, past ``rank_prefix_matrix`` in the exchange's result, its two check
@@ -162,14 +192,15 @@ def dispatch_kernel(
     # Status: where a wait that gives up reports (pinned host memory), and after how long.
     status_ptr, timeout_ns,
     # Signal words, program roles, row fields, tile shape.
-    TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
+    TAIL_WORD: tl.constexpr, DONE_WORD: tl.constexpr, ARRIVED_WORD: tl.constexpr, MAX_CHANNELS: tl.constexpr,
     NUM_RANKS: tl.constexpr, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr, SEND: tl.constexpr,
-    RECEIVE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr, NUM_TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    RECEIVE: tl.constexpr, COPY_RECEIVE: tl.constexpr, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+    NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     SIGNAL_EVERY: tl.constexpr, GPU: tl.constexpr,
 ):
     """One launch of ``NUM_SENDERS`` programs (``SEND``), of ``NUM_RECEIVERS`` (``RECEIVE``), or
-    of both, senders first (``SEND`` and ``RECEIVE``)."""
+    of both, senders first (``SEND`` and ``RECEIVE``); with ``COPY_RECEIVE`` (and ``SEND`` alone)
+    the senders also count themselves in ``ARRIVED_WORD`` and copy our own rows."""
     pid = tl.program_id(0)
     my_signals = tl.load(peer_base_ptrs + rank).to(tl.pointer_type(tl.int64))
     stamp = epoch.to(tl.int64) << 32
@@ -198,16 +229,25 @@ def dispatch_kernel(
                        (peer_base + staging_weights).to(tl.pointer_type(tl.float32)),
                        (peer_base + staging_src).to(tl.pointer_type(tl.int32)),
                        peer_base.to(tl.pointer_type(tl.int64)) + TAIL_WORD + rank * MAX_CHANNELS + pid, stamp,
-                       True, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK, SIGNAL_EVERY)
+                       not COPY_RECEIVE, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK,
+                       SIGNAL_EVERY)
+            if COPY_RECEIVE:
+                # Counted with or without rows: the peer's copy of our block waits for exactly
+                # NUM_SENDERS of these per call.
+                add_release(peer_base.to(tl.pointer_type(tl.int64)) + ARRIVED_WORD + rank, 1)
+        if COPY_RECEIVE:   # (after the peers' rows: they are on the critical path, ours are not)
+            _copy_own_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride,
+                           topk_idx_ptr, topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr, out_x_ptr,
+                           out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows, rank,
+                           experts_per_rank, my_signals, stamp, pid, NUM_SENDERS, NUM_RANKS, HAS_SCALES, HAS_TOPK,
+                           NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK, SIGNAL_EVERY)
     elif _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NUM_RANKS):
         # Our own rows first (no wait: straight from x into the outputs), then the arrived rows.
-        start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
-        lo, hi = channel_range(block_count(prefix_ptr, rank, rank, NUM_RANKS), pid, NUM_RECEIVERS)
-        _send_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
-                   topk_weights_ptr, token_list_ptr + rank * token_list_stride, lo, hi, start, num_out_rows, rank,
-                   experts_per_rank, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
-                   my_signals, stamp, False, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, ROWS, BLOCK,
-                   SIGNAL_EVERY)
+        _copy_own_rows(x_ptr, x_words, scales_ptr, scale_words, scale_token_stride, scale_col_stride, topk_idx_ptr,
+                       topk_weights_ptr, token_list_ptr, token_list_stride, prefix_ptr, out_x_ptr, out_scales_ptr,
+                       out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows, rank, experts_per_rank, my_signals,
+                       stamp, pid, NUM_RECEIVERS, NUM_RANKS, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD,
+                       ROWS, BLOCK, SIGNAL_EVERY)
         for channel in range(pid, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
             source = (rank + 1 + channel // NUM_SENDERS) % NUM_RANKS
             sender = channel % NUM_SENDERS
@@ -231,10 +271,10 @@ def dispatch_kernel(
                 for row0 in range(start + lo + done, start + lo + arrived, ROWS):
                     rows = row0 + tl.arange(0, ROWS)
                     mask = (rows < start + lo + arrived) & (rows < num_out_rows)
-                    _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights,
-                                            staging_src, rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr,
-                                            out_weights_ptr, out_src_ptr, x_words, scale_words,
-                                            HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, BLOCK)
+                    copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights,
+                                           staging_src, rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr,
+                                           out_weights_ptr, out_src_ptr, x_words, scale_words,
+                                           HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, BLOCK)
                 done = arrived
         # Our reads of staging are done: let every source reuse it in its next call.
         for step in range(0, NUM_RANKS - 1):
@@ -252,11 +292,13 @@ def _load_staged_fields(region, rows, mask, width, PAD: tl.constexpr):
 
 
 @triton.jit
-def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights, staging_src,
-                            rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
-                            x_words, scale_words, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
-                            NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, staging_weights, staging_src,
+                           rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
+                           x_words, scale_words, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
+                           NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr,
+                           BLOCK: tl.constexpr, WITH_X: tl.constexpr = True):
+    """Staging rows ``rows`` of this rank (``my_signals``: its allocation) into the same rows of
+    the outputs; without ``WITH_X`` the small fields only (the copy engines move the rows)."""
     base = my_signals.to(tl.int64)
     # As in ``_send_rows``: the small fields' loads go out before the row moves.
     scales = None
@@ -271,8 +313,9 @@ def _copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, 
         weights = _load_staged_fields((base + staging_weights).to(tl.pointer_type(tl.float32)), rows, mask,
                                       NUM_TOPK, TOPK_PAD)
     src = tl.load((base + staging_src).to(tl.pointer_type(tl.int32)) + rows, mask=mask, cache_modifier=".cg")
-    copy_rows(tl.multiple_of((base + staging_x).to(tl.pointer_type(tl.int32)), 16), rows, x_words, 1, out_x_ptr,
-              rows, mask, x_words, BLOCK, True)
+    if WITH_X:
+        copy_rows(tl.multiple_of((base + staging_x).to(tl.pointer_type(tl.int32)), 16), rows, x_words, 1, out_x_ptr,
+                  rows, mask, x_words, BLOCK, True)
     _store_row_fields(scales, experts, weights, src, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, rows,
                       mask, scale_words, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD)
 

@@ -9,8 +9,9 @@ back a replay that repeats their launches (``replay.py``).
 
 The parts, a module each: the state the calls and their replays share (``state.py``), what a
 dispatch shape works out once (``shape.py``), the count exchange's host side (``counts.py``),
-the kernels (``*_kernel.py``), and the copy-engine combine's side work
-(``combine_copy_engine.py``).
+the kernels (``*_kernel.py``), and the copy engines' side work of the combine
+(``combine_copy_engine.py``) and of the opt-in copy-engine receive of a cached dispatch
+(``dispatch_copy_engine.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 )
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier, dispatch_copies, field_programs
 from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
 from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
@@ -41,7 +43,7 @@ from tritonep.backends.nvlink.tuning import Tuning, combine_tile, split_programs
 from tritonep.core.checks import InputError
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import DispatchHandle
-from tritonep.core.routing import count_rows_from_prefix, round_up_counts
+from tritonep.core.routing import round_up_counts
 from tritonep.runtime.launcher import as_words
 from tritonep.runtime.platform import GPU_KERNELS, INTERPRET
 
@@ -88,6 +90,8 @@ class NormalEngine:
         self.copier = None if self._memory is None else CombineCopier(
             self._memory, state.peer_streams, self._driver if tuning.combine_driver else None,
             state.launch_generation, tuning.combine_piece_ratio)
+        self.dispatch_copier = None if self._memory is None else DispatchCopier(
+            self._memory, state.peer_streams, self._driver, state.launch_generation, self._status_args)
 
     @property
     def memory(self) -> SymmetricBuffer:
@@ -138,7 +142,9 @@ class NormalEngine:
         call's rows and some slack, and returns views of their first rows; when more rows
         arrive it stands down and is launched again into exact outputs. A dispatch whose counts
         are on the GPU already (a cached one, or with ``num_worst_tokens``) runs both halves as
-        one launch on the current stream."""
+        one launch on the current stream; with ``Tuning.copy_engine_dispatch``, a cached one
+        whose counts the host knows launches senders only and receives on the copy engines
+        (``dispatch_copy_engine.py``)."""
         self.check_status()
         x, scales = request.x, request.x_scales
         shape = self._dispatch_shape(request)
@@ -175,6 +181,9 @@ class NormalEngine:
             else:
                 reads_counts = True
         state.dispatch_epoch += 1
+        receivers = shape.receivers   # what this call adds to every peer's done word for this rank
+        copy_receive = (t.copy_engine_dispatch and handle is not None and request.num_worst_tokens == 0 and R > 1
+                        and plan.host_counts(R) is not None)
         # The kernel's argument groups (dispatch_kernel.py); both halves share all but the outputs.
         words = as_words(x) if x.dim() == 2 else x
         scale_view = as_words(scales) if scales is not None else words
@@ -187,21 +196,24 @@ class NormalEngine:
         behind = shape.staging + (state.dispatch_epoch, state.dispatch_released) + self._status_args
 
         launched = None   # the compiled launch that filled the outputs: a cached dispatch learns it
+        output_args: tuple = ()
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
             DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind, shape.send_constants,
                      t.warps)
 
-        def receive(rows: int, guard_word: int = 0, with_send: bool = False) -> tuple[torch.Tensor, ...]:
-            nonlocal launched
+        def receive(rows: int, guard_word: int = 0, roles: str = "receive") -> tuple[torch.Tensor, ...]:
+            nonlocal launched, output_args
             outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self.device,
                                        self._cached_recv_src(plan, rows) if handle is not None else None)
             output_args = (outputs[0].view(torch.int32),
                            outputs[1].view(torch.int32) if scales is not None else outputs[4],
                            outputs[2] if has_topk else self.placeholders(torch.int64),
                            outputs[3] if has_topk else self.placeholders(torch.float32), outputs[4], rows, guard_word)
-            programs, setup, constants = (shape.both_programs, shape.both_setup, shape.both_constants) if with_send \
-                else (shape.receivers, shape.receive_setup, shape.receive_constants)
+            programs, setup, constants = {
+                "receive": (shape.receivers, shape.receive_setup, shape.receive_constants),
+                "both": (shape.both_programs, shape.both_setup, shape.both_constants),
+                "copy": (shape.copy_programs, shape.copy_setup, shape.copy_constants)}[roles]
             launched = DISPATCH(programs, setup, ahead + output_args + behind, constants, t.warps)
             return outputs
 
@@ -225,17 +237,30 @@ class NormalEngine:
             else:
                 outputs = receive(num_out_rows)
             state.send_stream.join()   # later work on the current stream (and the allocator) waits for the send
+        elif copy_receive:
+            # Every program sends (and copies our own rows); the copy engines receive.
+            start = state.peer_streams.mark()
+            outputs = receive(num_out_rows, roles="copy")
+            state.dispatch_arrived += shape.copy_programs
+            if plan.dispatch_copies is None:
+                plan.dispatch_copies = dispatch_copies(plan.counts, self.rank)
+            receivers = field_programs(shape.scale_words, shape.num_topk)
+            self.dispatch_copier.fork(start, plan.dispatch_copies, state.dispatch_arrived, outputs[0],
+                                      output_args[1:5], prefix, shape.staging[2:7], shape.scale_words,
+                                      shape.copy_setup, shape.copy_constants, receivers)
+            state.peer_streams.join()
         else:
             # The counts are on the GPU already (a cached dispatch, or num_worst_tokens): one
             # launch runs both halves.
-            outputs = receive(num_out_rows, with_send=True)
-        state.dispatch_released += shape.receivers
+            outputs = receive(num_out_rows, roles="both")
+        state.dispatch_released += receivers
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
         replay = None
-        if handle is not None and request.num_worst_tokens == 0:   # the next such call may replay these launches
+        # The next such call may replay these launches (not yet the copy-engine receive's side work).
+        if handle is not None and request.num_worst_tokens == 0 and not copy_receive:
             replay = CachedDispatchReplay.learn(
                 state, x, scales, launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
-                shape.receivers, state.dispatch_epoch, state.dispatch_released - shape.receivers)
+                receivers, state.dispatch_epoch, state.dispatch_released - receivers)
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
@@ -273,9 +298,7 @@ class NormalEngine:
         num_topk = topk_weights.shape[1] if topk_weights is not None else 0
         memory = self.memory
         capacity, regions = self.staging.combine(hidden, num_topk)
-        if plan.counts is None and plan.host_prefix is not None:
-            plan.counts = count_rows_from_prefix(plan.host_prefix, self.num_ranks)
-            plan.max_send_rows = max(map(sum, plan.counts))
+        plan.host_counts(self.num_ranks)
         if plan.max_send_rows is not None and plan.max_send_rows > capacity:
             raise InputError(f"combine would return {plan.max_send_rows} rows to one rank but the NVLink buffer "
                              f"holds {capacity} rows of hidden {hidden}; make the Buffer with more num_nvl_bytes")

@@ -54,6 +54,11 @@ class DispatchShape:
     both_programs: int
     both_constants: dict
     both_setup: tuple
+    # The cached dispatch whose copy engines receive: senders only, all num_sms of them (they also
+    # copy our own rows; dispatch_copy_engine.py).
+    copy_programs: int
+    copy_constants: dict
+    copy_setup: tuple
     unused_outputs: tuple   # the send half's outputs group: placeholders of the right types
     staging: tuple          # the kernel's staging-area group (dispatch_kernel.py)
     last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
@@ -75,6 +80,7 @@ class DispatchShape:
             receivers += senders
         constants = dict(
             TAIL_WORD=memory.signals.dispatch_tail, DONE_WORD=memory.signals.dispatch_done,
+            ARRIVED_WORD=memory.signals.dispatch_arrived, COPY_RECEIVE=False,
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=triton.next_power_of_2(max(num_topk, 1)), SCALE_PAD=triton.next_power_of_2(max(scale_words, 1)),
@@ -85,9 +91,12 @@ class DispatchShape:
         send_setup, receive_setup = (launch_generation, key, "send"), (launch_generation, key, "receive")
         both = (senders + receivers, dict(constants, SEND=True, RECEIVE=True), (launch_generation, key, "both")) \
             if R > 1 else (receivers, receive, receive_setup)
+        everyone = max(1, min(num_sms, MAX_CHANNELS))
+        copy = (everyone, dict(constants, NUM_SENDERS=everyone, SEND=True, RECEIVE=False, COPY_RECEIVE=True),
+                (launch_generation, key, "copy"))
         return DispatchShape(
             x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, senders, receivers,
-            send, receive, send_setup, receive_setup, *both,
+            send, receive, send_setup, receive_setup, *both, *copy,
             (unused, unused, placeholders(torch.int64), placeholders(torch.float32), unused, 0, 0),
             (memory.peer_base_ptrs, memory.rank, *regions, capacity))
 

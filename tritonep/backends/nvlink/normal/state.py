@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tritonep.core.routing import count_rows_from_prefix
 from tritonep.runtime.side_streams import PeerStreams
 from tritonep.runtime.status import StatusWord
 
@@ -33,10 +34,12 @@ class NormalState:
     same call on every peer); the kernels stamp their signals with it. The release counters are
     the receiver (reducer) programs of all earlier dispatches (combines): each one adds 1 to
     every peer's done word, so a sender knows when the staging it writes into is free again.
+    ``dispatch_arrived`` counts the sender programs of all copy-engine dispatches
+    (``dispatch_copy_engine.py``): each adds 1 to every peer's arrived word for this rank.
     """
 
     __slots__ = ("device", "notify_epoch", "dispatch_epoch", "combine_epoch", "dispatch_released",
-                 "combine_released", "status", "send_stream", "peer_streams", "launch_generation",
+                 "combine_released", "dispatch_arrived", "status", "send_stream", "peer_streams", "launch_generation",
                  "unchecked_padding")
 
     def __init__(self, device: torch.device, driver: Any = None) -> None:
@@ -46,6 +49,7 @@ class NormalState:
         self.combine_epoch = 0
         self.dispatch_released = 0
         self.combine_released = 0
+        self.dispatch_arrived = 0
         # A kernel that gives up waiting on a peer writes (phase, peer) here (runtime/status.py).
         self.status = StatusWord()
         # The dispatch's send half runs on a side stream beside its receive half; the copy-engine
@@ -77,6 +81,15 @@ class SendPlan:
     counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
     max_send_rows: int | None = None        # largest number of rows any rank sends
     combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
+    dispatch_copies: list[tuple[int, int, int]] | None = None       # the copy-engine receive's blocks
     # Cached dispatches of this handle: where their receive half writes the source indices,
     # which a cached dispatch does not return (made by the first one).
     cached_recv_src: torch.Tensor | None = None
+
+    def host_counts(self, num_ranks: int) -> list[list[int]] | None:
+        """``counts`` (and ``max_send_rows``), worked out from ``host_prefix`` the first time; None
+        when the dispatch did not read its counts back (num_worst_tokens)."""
+        if self.counts is None and self.host_prefix is not None:
+            self.counts = count_rows_from_prefix(self.host_prefix, num_ranks)
+            self.max_send_rows = max(map(sum, self.counts))
+        return self.counts
