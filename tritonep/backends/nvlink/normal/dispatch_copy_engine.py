@@ -15,11 +15,10 @@ rows), and a side stream receives:
 * then one small kernel (``staged_fields_kernel``) copies the small fields of the arrived rows
   (scales, top-k, source index) and releases every source's staging, as receiver programs do.
 
-With cuda-bindings (``combine_copy_engine.driver_memory_operations``) a wait is a
-``cuStreamWaitValue64`` and a copy a ``cuMemcpyDtoDAsync``: two driver calls per source. Such
-a wait has no time-out: a peer that never sends hangs the stream instead of reporting.
-Otherwise (and always under the interpreter) a wait is a one-program kernel
-(``arrival_wait_kernel``, which times out into the status word) and a copy torch's ``copy_``.
+A wait is a one-program kernel (``arrival_wait_kernel``) on the side stream, which times out
+into the status word like every wait on a peer, and a copy torch's ``copy_``. A driver stream
+wait (``cuStreamWaitValue64``) would cost the host less, but it has no time-out: a peer that
+never sends would hang the stream instead of raising.
 
 No CUDA-graph replay of such calls yet (``replay.py`` learns none): each goes through the
 general path.
@@ -39,11 +38,9 @@ from tritonep.device.rows import block_count, block_start, channel_range
 from tritonep.device.signals import add_release, wait_at_least
 from tritonep.device.status_codes import PHASE_DISPATCH_DATA
 from tritonep.runtime import kernel_names
-from tritonep.runtime.launcher import FastLauncher, current_stream
+from tritonep.runtime.launcher import FastLauncher
 from tritonep.runtime.platform import GPU_KERNELS
-from tritonep.runtime.side_streams import PeerStreams, driver_result
-
-_WAIT_VALUE_GEQ = 0   # CU_STREAM_WAIT_VALUE_GEQ (CUstreamWaitValue_flags)
+from tritonep.runtime.side_streams import PeerStreams
 
 # Programs of the small-field kernel when there are scales or top-k fields (fp8 scales of
 # hidden 7168 are 224 bytes a row, several MB a call: one program would take hundreds of us);
@@ -118,27 +115,26 @@ def dispatch_copies(counts: list[list[int]], rank: int) -> list[tuple[int, int, 
     return result
 
 
-# A block mover: ``(stream, source, target, first row, rows)`` waits until our arrived word for
+# A block mover: ``(source, target, first row, rows)`` waits until our arrived word for
 # ``source`` reaches ``target``, then copies rows [first, first + rows) of staging's x region
 # into the same rows of ``recv_x``.
-BlockMover = Callable[[int, int, int, int, int], None]
+BlockMover = Callable[[int, int, int, int], None]
 
 
 class DispatchCopier:
     """The copy-engine receive of a cached dispatch, for one engine and tuning: every source's
     block, then the small-field kernel, on one side stream of ``streams``, which the caller joins.
 
-    ``driver``: from ``driver_memory_operations``, or None for the wait kernel and torch's
-    copies. ``owner``: a key that stands for ``memory``, its signal layout and ``status_args``
+    ``owner``: a key that stands for ``memory``, its signal layout and ``status_args``
     in the launches' setup keys (the engine's launch generation). ``status_args``: the status
     word's tensor and the time-out, for the wait kernel."""
 
-    __slots__ = ("memory", "rank", "streams", "driver", "owner", "status_args")
+    __slots__ = ("memory", "rank", "streams", "owner", "status_args")
 
-    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object,
+    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, owner: object,
                  status_args: tuple[torch.Tensor, int]) -> None:
         self.memory, self.rank, self.streams = memory, memory.rank, streams
-        self.driver, self.owner, self.status_args = driver, owner, status_args
+        self.owner, self.status_args = owner, status_args
 
     def fork(self, after: torch.cuda.Event | None, copies: list[tuple[int, int, int]], target: int,
              recv_x: torch.Tensor, field_outputs: tuple[torch.Tensor, ...], prefix: torch.Tensor, staging: list[int],
@@ -151,18 +147,15 @@ class DispatchCopier:
         rank_prefix_matrix, ``staging`` the dispatch's staging regions
         (``StagingLayout.dispatch``), ``setup`` the call shape's key, ``constants`` its
         dispatch-kernel constants, ``programs`` the field kernel's (``field_programs``)."""
-        driver = self.driver
-        make = _driver_blocks if driver is not None else _torch_blocks
-        move = make(self, recv_x, staging[0], recv_x.shape[1] * recv_x.element_size())
+        move = _block_mover(self, recv_x, staging[0], recv_x.shape[1] * recv_x.element_size())
         fields = (prefix, self.memory.peer_base_ptrs, self.rank, *staging[1:], *field_outputs, max(scale_words, 1))
 
         def field_constants() -> dict[str, Any]:
             return dict({name: constants[name] for name in _FIELD_CONSTANTS}, ROWS=FIELD_ROWS)
 
         def job() -> None:
-            stream = current_stream() if driver is not None else 0   # (the wait kernel finds its own)
             for source, first, rows in copies:
-                move(stream, source, target, first, rows)
+                move(source, target, first, rows)
             _FIELDS(programs, (self.owner, setup), fields, field_constants, 4)
         self.streams.fork([job], after=after)
 
@@ -171,7 +164,7 @@ class DispatchCopier:
 _FIELD_CONSTANTS = ("DONE_WORD", "NUM_RANKS", "HAS_SCALES", "HAS_TOPK", "NUM_TOPK", "TOPK_PAD", "SCALE_PAD")
 
 
-def _torch_blocks(copier: DispatchCopier, recv_x: torch.Tensor, staging_x: int, row_bytes: int) -> BlockMover:
+def _block_mover(copier: DispatchCopier, recv_x: torch.Tensor, staging_x: int, row_bytes: int) -> BlockMover:
     """The one-program wait kernel, then torch's copy of the block."""
     memory = copier.memory
     arrived = memory.signals.dispatch_arrived
@@ -179,25 +172,9 @@ def _torch_blocks(copier: DispatchCopier, recv_x: torch.Tensor, staging_x: int, 
     status, timeout_ns = copier.status_args
     out_bytes = recv_x.view(torch.uint8).view(-1)
 
-    def move(stream: int, source: int, target: int, first: int, rows: int) -> None:
+    def move(source: int, target: int, first: int, rows: int) -> None:
         _WAIT(1, copier.owner, (*fixed, arrived + source, target, status, timeout_ns, source),
               dict(GPU=GPU_KERNELS), 1)
         out_bytes.narrow(0, first * row_bytes, rows * row_bytes).copy_(
             memory.local.narrow(0, staging_x + first * row_bytes, rows * row_bytes), non_blocking=True)
     return move
-
-
-def _driver_blocks(copier: DispatchCopier, recv_x: torch.Tensor, staging_x: int, row_bytes: int) -> BlockMover:
-    """Through the driver: the stream waits on the arrived word itself, then copies the block."""
-    driver, memory = copier.driver, copier.memory
-    base = memory.local.data_ptr()
-    arrived_address = base + 8 * memory.signals.dispatch_arrived
-    staging_address, out_address = base + staging_x, recv_x.data_ptr()
-
-    def move(stream: int, source: int, target: int, first: int, rows: int) -> None:
-        driver_result(driver.cuStreamWaitValue64(stream, arrived_address + 8 * source, target, _WAIT_VALUE_GEQ),
-                      "dispatch's arrival wait")
-        driver_result(driver.cuMemcpyDtoDAsync(out_address + first * row_bytes, staging_address + first * row_bytes,
-                                               rows * row_bytes, stream), "dispatch's block copy")
-    return move
-

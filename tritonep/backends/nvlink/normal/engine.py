@@ -91,7 +91,7 @@ class NormalEngine:
             self._memory, state.peer_streams, self._driver if tuning.combine_driver else None,
             state.launch_generation, tuning.combine_piece_ratio)
         self.dispatch_copier = None if self._memory is None else DispatchCopier(
-            self._memory, state.peer_streams, self._driver, state.launch_generation, self._status_args)
+            self._memory, state.peer_streams, state.launch_generation, self._status_args)
 
     @property
     def memory(self) -> SymmetricBuffer:
