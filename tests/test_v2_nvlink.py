@@ -177,7 +177,11 @@ def no_sync_dispatch_outcomes(group) -> tuple[bool, str]:
     import tritonep as deep_ep
 
     T, H, K, E = 8, 128, 2, 4 * group.size()
-    with environment({"TRITONEP_BACKEND": "nvlink"}):
+    # Ranks that meet the disagreement after a peer raised it wait for that peer until the
+    # time-out: a short one on GPUs keeps the case short (the interpreter's waits count spins,
+    # which its slow calls need many of).
+    on_gpus = torch.distributed.get_backend(group) == "nccl"
+    with environment({"TRITONEP_BACKEND": "nvlink", **({"TRITONEP_TIMEOUT_S": "5"} if on_gpus else {})}):
         buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=2 * T, hidden=H, num_topk=K,
                                        explicitly_destroy=True)
     cpu = dict(generator=torch.Generator().manual_seed(group.rank()), dtype=torch.float32, device="cpu")
