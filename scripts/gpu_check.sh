@@ -106,7 +106,18 @@ bench() {
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     run "bench_$ranks" "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --gpu --ranks "$ranks" \
       ${deepep[@]+"${deepep[@]}"} ${BENCH_ARGS:-} --out "$OUT/bench_$ranks"
+    top_level "bench_$ranks"
   done
+}
+
+# top_level NAME: NAME/bench.json and .png also as NAME.json and NAME.png in $OUT, where the
+# device tool always brings them back (files in folders below $OUT can be left out).
+top_level() {
+  local ext
+  for ext in json png; do
+    [ -f "$OUT/$1/bench.$ext" ] && cp "$OUT/$1/bench.$ext" "$OUT/$1.$ext"
+  done
+  return 0
 }
 
 bench_v2() {
@@ -114,6 +125,7 @@ bench_v2() {
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     run "bench_v2_$ranks" "${BENCH_TIMEOUT:-300}" python3 -m benchmarks --gpu --ranks "$ranks" --api v2 \
       ${BENCH_ARGS:-} --out "$OUT/bench_v2_$ranks"
+    top_level "bench_v2_$ranks"
   done
 }
 
