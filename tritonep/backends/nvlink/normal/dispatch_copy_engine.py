@@ -102,19 +102,6 @@ def field_programs(scale_words: int, num_topk: int) -> int:
     return FIELD_PROGRAMS if scale_words or num_topk else 1
 
 
-def dispatch_copies(counts: list[list[int]], rank: int) -> list[tuple[int, int, int]]:
-    """``(source, first row, rows)`` of every peer that sends rows to ``rank``, peers in rotated
-    order (so that the ranks do not all start on one). ``counts[s][d]``: rows s sends to d; the
-    rows from s follow those from lower sources, in staging and in the outputs alike."""
-    num_ranks = len(counts)
-    result = []
-    for step in range(1, num_ranks):
-        source = (rank + step) % num_ranks
-        if counts[source][rank]:
-            result.append((source, sum(counts[s][rank] for s in range(source)), counts[source][rank]))
-    return result
-
-
 # A block mover: ``(source, target, first row, rows)`` waits until our arrived word for
 # ``source`` reaches ``target``, then copies rows [first, first + rows) of staging's x region
 # into the same rows of ``recv_x``.
@@ -136,11 +123,13 @@ class DispatchCopier:
         self.memory, self.rank, self.streams = memory, memory.rank, streams
         self.owner, self.status_args = owner, status_args
 
-    def fork(self, after: torch.cuda.Event | None, copies: list[tuple[int, int, int]], target: int,
+    def fork(self, after: torch.cuda.Event | None, copies: list[tuple[int, int, int, int]], target: int,
              recv_x: torch.Tensor, field_outputs: tuple[torch.Tensor, ...], prefix: torch.Tensor, staging: list[int],
              scale_words: int, setup: tuple, constants: dict[str, Any], programs: int) -> None:
         """Start the receive of a dispatch whose senders were launched after the point ``after``
-        of the current stream (``PeerStreams.mark``): ``copies`` from ``dispatch_copies``,
+        of the current stream (``PeerStreams.mark``): ``copies`` from
+        ``combine_copy_engine.combine_copies`` (the rows a combine returns to a peer are the rows
+        it sent here: ``(source, first row, rows, ...)``, the same block in staging and outputs),
         ``target`` the arrived count the sources reach with this call, ``field_outputs`` the
         scales (as int32 words), top-k ids, top-k weights and source-index outputs as the
         dispatch kernel gets them (placeholders for absent fields), ``prefix``
@@ -154,7 +143,7 @@ class DispatchCopier:
             return dict({name: constants[name] for name in _FIELD_CONSTANTS}, ROWS=FIELD_ROWS)
 
         def job() -> None:
-            for source, first, rows in copies:
+            for source, first, rows, _ in copies:
                 move(source, target, first, rows)
             _FIELDS(programs, (self.owner, setup), fields, field_constants, 4)
         self.streams.fork([job], after=after)

@@ -31,7 +31,7 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 )
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
-from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier, dispatch_copies, field_programs
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier, field_programs
 from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
 from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
@@ -242,10 +242,10 @@ class NormalEngine:
             start = state.peer_streams.mark()
             outputs = receive(num_out_rows, roles="copy")
             state.dispatch_arrived += shape.copy_programs
-            if plan.dispatch_copies is None:
-                plan.dispatch_copies = dispatch_copies(plan.counts, self.rank)
+            if plan.combine_copies is None:
+                plan.combine_copies = combine_copies(plan.counts, self.rank)
             receivers = field_programs(shape.scale_words, shape.num_topk)
-            self.dispatch_copier.fork(start, plan.dispatch_copies, state.dispatch_arrived, outputs[0],
+            self.dispatch_copier.fork(start, plan.combine_copies, state.dispatch_arrived, outputs[0],
                                       output_args[1:5], prefix, shape.staging[2:7], shape.scale_words,
                                       shape.copy_setup, shape.copy_constants, receivers)
             state.peer_streams.join()

@@ -80,8 +80,9 @@ class SendPlan:
     # Worked out from host_prefix by the first combine (not on the fresh dispatch's path):
     counts: list[list[int]] | None = None   # [s][d]: rows rank s sends to rank d
     max_send_rows: int | None = None        # largest number of rows any rank sends
-    combine_copies: list[tuple[int, int, int, int]] | None = None   # the copy-engine pieces
-    dispatch_copies: list[tuple[int, int, int]] | None = None       # the copy-engine receive's blocks
+    # The copy engines' blocks (combine_copy_engine.combine_copies): what the combine returns to
+    # each peer, which is also the block each peer's dispatch rows fill here.
+    combine_copies: list[tuple[int, int, int, int]] | None = None
     # Cached dispatches of this handle: where their receive half writes the source indices,
     # which a cached dispatch does not return (made by the first one).
     cached_recv_src: torch.Tensor | None = None
