@@ -137,18 +137,15 @@ def combine_rounds(rounds: list[dict]) -> dict:
 def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argparse.Namespace,
                 x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> list[dict]:
     """Kernel shapes around the defaults, one field changed at a time, at ``--num-sms``."""
-    # tokens, combine_block and warps: the combine's reduction tile ([tokens, combine_block] of
-    # each source per step), whose larger sizes carried more at EP4; combine_pieces: how the
-    # copy-engine combine cuts each peer's block; sender_fraction 1/3: the dispatch's best split
-    # at EP4; copy_engine_dispatch: the cached dispatch's rows received on the copy engines, every
-    # program sending (dispatch_copy_engine.py), with 32 and 16 warps.
-    variants = [dict(), dict(warps=16), dict(tokens=8), dict(tokens=16), dict(tokens=8, combine_block=4096),
-                dict(tokens=16, combine_block=1024), dict(tokens=16, combine_block=2048),
-                dict(tokens=32, combine_block=512), dict(tokens=32, combine_block=1024),
-                dict(tokens=16, combine_block=1024, warps=16), dict(tokens=16, combine_block=1024, stage=64),
-                dict(tokens=16, combine_block=1024, combine_pieces=3), dict(combine_pieces=3),
-                dict(sender_fraction=1 / 3), dict(copy_engine_dispatch=True),
-                dict(copy_engine_dispatch=True, warps=16)]
+    # copy_engine_dispatch: the cached dispatch's rows received on the copy engines, every
+    # program sending (dispatch_copy_engine.py), on and off whatever the default, through the
+    # driver or torch (copy_driver), with 32 and 16 warps; sender_fraction 1/3: the SM receive's
+    # best split at EP4; combine_pieces: how the copy-engine combine cuts each peer's block;
+    # tokens and combine_block: the combine's reduction tile.
+    variants = [dict(), dict(copy_engine_dispatch=True), dict(copy_engine_dispatch=False),
+                dict(copy_engine_dispatch=True, copy_driver=False), dict(copy_engine_dispatch=True, warps=16),
+                dict(warps=16), dict(sender_fraction=1 / 3), dict(combine_pieces=3),
+                dict(tokens=16, combine_block=2048), dict(tokens=32, combine_block=1024)]
     results = []
     for change in variants:
         with changed_tuning(buffer, **change) as fields:

@@ -291,11 +291,8 @@ def compare_cases(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int = 
         finally:
             nvlink.backend.tuning = default
         problems += copy_tails_left(nvlink)
-        # On the GPUs every call after the first of each kind repeats (the interpreter learns none),
-        # but a cached dispatch received on the copy engines (dispatch_copy_engine.py) is not learnt.
-        copy_receive = (tuning or {}).get("copy_engine_dispatch", False) and group.size() > 1 \
-            and case.num_worst_tokens == 0
-        wanted = {"cached_dispatch": 0 if copy_receive else case.repeats - 1,
+        # On the GPUs every call after the first of each kind repeats (the interpreter learns none).
+        wanted = {"cached_dispatch": case.repeats - 1,
                   "combine": case.repeats - 1 if not case.bias else 0, "low_latency": 0}
         if nvlink.device.type == "cuda" and taken != wanted:
             problems.append(f"replays taken {taken}, expected {wanted}")

@@ -30,9 +30,10 @@ def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -
     return all(count == released for peer, count in enumerate(done) if peer != group.rank())
 
 
-def copy_engine_dispatch_batch(group: dist.ProcessGroup, cases: list[Case],
-                               nvl_bytes: int) -> tuple[list[list[str]], list[dict]]:
-    """``compare_cases`` with the copy-engine receive of cached dispatches on, then its counters
+def copy_engine_dispatch_batch(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int,
+                               tuning: dict | None = None) -> tuple[list[list[str]], list[dict]]:
+    """``compare_cases`` with the copy-engine receive of cached dispatches on (and ``tuning``'s
+    other changes), then its counters
     once the GPUs are idle (reported with the last case): the staging releases as above, and
     every peer's arrived word for this rank at the senders the host counted
     (``dispatch_arrived``, the same on every rank), which must have grown (with 2+ ranks: one
@@ -40,7 +41,7 @@ def copy_engine_dispatch_batch(group: dist.ProcessGroup, cases: list[Case],
     nvlink, _ = shared_buffers(group, nvl_bytes)
     state = nvlink.backend.normal.state
     arrived_before = state.dispatch_arrived
-    problems, times = compare_cases(group, cases, nvl_bytes, dict(copy_engine_dispatch=True))
+    problems, times = compare_cases(group, cases, nvl_bytes, dict(tuning or {}, copy_engine_dispatch=True))
     counters = []
     if not staging_released_exactly(group, nvlink):
         counters.append(f"done words differ from the {state.dispatch_released} receivers counted")

@@ -101,11 +101,12 @@ def launches_counted() -> Iterator[list[tuple[str, int]]]:
 def normal_launches_recorded() -> contextlib.AbstractContextManager:
     """Inside, the normal mode's launches are learnt and repeated as on a GPU, but each is a
     ``RecordedLaunch`` and nothing is compiled or run (``launches_faked``)."""
-    from tritonep.backends.nvlink.normal import combine_copy_engine, replay
+    from tritonep.backends.nvlink.normal import combine_copy_engine, dispatch_copy_engine, replay
     from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
     from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
 
-    launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL)
+    launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL,
+                 dispatch_copy_engine._WAIT)
     return launches_faked(launchers, RecordedLaunch, (replay,))
 
 

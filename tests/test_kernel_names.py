@@ -32,7 +32,7 @@ from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_comb
 from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel
 from tritonep.backends.nvlink.normal.combine_copy_engine import combine_piece_signal_kernel, combine_weights_kernel
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
-from tritonep.backends.nvlink.normal.dispatch_copy_engine import arrival_wait_kernel, staged_fields_kernel
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import arrival_wait_kernel
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
 from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout_kernel
 from tritonep.backends.nvlink.normal.layout_kernel import dispatch_layout_kernel
@@ -42,8 +42,7 @@ from tritonep.runtime.kernel_names import mangled
 # The kernels a mode's calls launch, by mode: within a mode, a name DeepEP's tools look for
 # must match one kernel.
 NORMAL_KERNELS = (dispatch_layout_kernel, notify_dispatch_kernel, dispatch_kernel, combine_kernel,
-                  combine_weights_kernel, combine_piece_signal_kernel, expert_layout_kernel, arrival_wait_kernel,
-                  staged_fields_kernel)
+                  combine_weights_kernel, combine_piece_signal_kernel, expert_layout_kernel, arrival_wait_kernel)
 LOW_LATENCY_KERNELS = (low_latency_dispatch_kernel, low_latency_combine_kernel, low_latency_clean_kernel)
 NAMESPACES = {"normal": "tritonep::intranode", "low_latency": "tritonep::low_latency"}
 

@@ -21,7 +21,7 @@ from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_comb
 from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.combine_copy_engine import combine_piece_signal_kernel, combine_weights_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel  # noqa: E402
-from tritonep.backends.nvlink.normal.dispatch_copy_engine import arrival_wait_kernel, staged_fields_kernel  # noqa: E402
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import arrival_wait_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.expert_layout_kernel import expert_layout_kernel  # noqa: E402
 from tritonep.backends.nvlink.normal.layout_kernel import LAYOUT_WARPS, dispatch_layout_kernel, layout_constants  # noqa: E402
@@ -130,19 +130,6 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, 
     ptx = kernel.asm["ptx"]
     assert ("sys.release.add" in ptx) == (receive or copy_receive)
     assert ("sys.release.exch" in ptx) == (send and not copy_receive)
-
-
-@pytest.mark.parametrize("has_scales,has_topk,num_ranks", [(True, False, 4), (False, False, 2), (True, True, 8)])
-def test_staged_fields_kernel_compiles(has_scales: bool, has_topk: bool, num_ranks: int) -> None:
-    kernel = compile_for_hopper(
-        staged_fields_kernel,
-        dict(prefix_ptr=I32, peer_base_ptrs=I64, rank=1, staging_scales=1 << 28, staging_idx=1 << 29,
-             staging_weights=1 << 30, staging_src=(1 << 30) + 4096, out_scales_ptr=I32,
-             out_idx_ptr=I64 if has_topk else I32, out_weights_ptr=F32 if has_topk else I32, out_src_ptr=I32,
-             scale_words=56),
-        dict(DONE_WORD=322, NUM_RANKS=num_ranks, HAS_SCALES=has_scales, HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8,
-             SCALE_PAD=64, ROWS=64))
-    assert "sys.release.add" in kernel.asm["ptx"]   # the sources' staging released
 
 
 def test_arrival_wait_kernel_compiles() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from recorded_launches import RecordedLaunch, named_launches, normal_launches_recorded, result_shapes
@@ -26,7 +27,8 @@ from tritonep.core.replay import ReplayTable
 
 TOKENS, HIDDEN, EXPERTS, TOPK, CALLS = 12, 256, 8, 3, 3
 # What each kind of call advances in the engine's state.
-DISPATCH_COUNTERS, COMBINE_COUNTERS = ("dispatch_epoch", "dispatch_released"), ("combine_epoch", "combine_released")
+DISPATCH_COUNTERS = ("dispatch_epoch", "dispatch_released", "dispatch_arrived")
+COMBINE_COUNTERS = ("combine_epoch", "combine_released")
 
 
 def _status_word_in_every_launch(status_address: int) -> bool:
@@ -41,7 +43,10 @@ def _status_word_in_every_launch(status_address: int) -> bool:
                                 for launcher, setup in setups)
 
 
-def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
+def replays_match_general_path(group: dist.ProcessGroup, tuning: dict) -> list[str]:
+    """Every check above, with the backend's kernel shapes changed by ``tuning``."""
+    import dataclasses
+
     from nvlink_cases import count_replays, make_buffer
 
     from tritonep import nvl_bytes_for
@@ -54,6 +59,7 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
 
     buffer = make_buffer(group, "nvlink", num_nvl_bytes=nvl_bytes_for(TOKENS, HIDDEN, R), explicitly_destroy=True)
     backend = buffer.backend
+    backend.tuning = dataclasses.replace(backend.tuning, **tuning)
     state = backend.normal.state
     topk_idx = torch.rand(TOKENS, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
     weights = torch.rand(TOKENS, TOPK, generator=generator, dtype=torch.float32)
@@ -146,7 +152,10 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
     return problems
 
 
-def test_replays_launch_what_the_general_path_launches(interpreter_pools) -> None:
+# copy_engine_dispatch: the cached dispatch's senders and its copy-engine side work (waits,
+# copies, releases), at 2 ranks where the default leaves it off.
+@pytest.mark.parametrize("tuning", [dict(), dict(copy_engine_dispatch=True)], ids=["defaults", "copy_engine_dispatch"])
+def test_replays_launch_what_the_general_path_launches(interpreter_pools, tuning: dict) -> None:
     for num_ranks in (1, 2):
-        problems = interpreter_pools(num_ranks).run(replays_match_general_path)
+        problems = interpreter_pools(num_ranks).run(replays_match_general_path, tuning)
         assert problems == [[]] * num_ranks

@@ -189,8 +189,8 @@ def test_gpu_variants(gpu_pool) -> None:
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("tuning", [dict(combine_driver=False), dict(combine_pieces=3),
-                                    dict(combine_pieces=1, combine_driver=False), dict(copy_engine_combine=False)],
+@pytest.mark.parametrize("tuning", [dict(copy_driver=False), dict(combine_pieces=3),
+                                    dict(combine_pieces=1, copy_driver=False), dict(copy_engine_combine=False)],
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_gpu_combine_piece_paths(gpu_pool, tuning: dict) -> None:
     """Both ways the combine's pieces cross to the peers (driver copies and stream writes when
@@ -204,17 +204,19 @@ def test_gpu_combine_piece_paths(gpu_pool, tuning: dict) -> None:
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("form", ["bf16", "fp8"])
+@pytest.mark.parametrize("form", ["bf16", "fp8", "fp8 torch copies"])
 def test_gpu_copy_engine_dispatch(gpu_pool, form: str) -> None:
     """The cached dispatch received on the copy engines (``Tuning.copy_engine_dispatch``) at full
     size, three times with one handle, then a case where rank 0 has no tokens; the counters
-    must match what the hosts counted. (At one rank the mode does not apply: run with 2+.)"""
-    fp8 = form == "fp8"
+    must match what the hosts counted. Through the driver, or torch's copies and the signal
+    kernel (``copy_driver=False``). (At one rank the mode does not apply: run with 2+.)"""
+    fp8 = form.startswith("fp8")
     cases = [Case(seed=78, tokens=_tokens(gpu_pool, 1500, 900), hidden=7168, num_experts=_experts(gpu_pool, 64),
                   num_topk=8, num_sms=24, fp8=fp8, repeats=3),
              Case(seed=79, tokens=(0,) + _tokens(gpu_pool, 700, 300)[1:], hidden=4096,
                   num_experts=_experts(gpu_pool, 64), num_topk=4, num_sms=64, fp8=fp8, repeats=2)]
-    check_batch(gpu_pool, copy_engine_dispatch_batch, cases, 1 << 30)
+    check_batch(gpu_pool, copy_engine_dispatch_batch, cases, 1 << 30,
+                dict(copy_driver=False) if "torch" in form else None)
 
 
 @pytest.mark.gpu(min_gpus=1)

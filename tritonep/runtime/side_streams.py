@@ -8,7 +8,9 @@ already queued on the current stream (or after an earlier point of it, taken wit
 caller then queues its kernels, which run beside the jobs, and ``join`` makes the current stream
 wait for the jobs (so that the caching allocator never reuses their inputs too early). Streams
 and events are made once; switching streams goes through torch's raw setter
-(``torch.cuda.stream`` costs microseconds per use). Without a GPU (the interpreter tests) the
+(``torch.cuda.stream`` costs microseconds per use), and with cuda-bindings' driver module the
+events are raw driver events, recorded and waited on through the driver (torch's event methods
+cost several driver calls each). Without a GPU (the interpreter tests) the
 jobs simply run, in order, when forked.
 
 Side work that repeats exactly (same operations, same addresses, same values) can be captured
@@ -48,27 +50,38 @@ class PeerStreams:
     def __init__(self, device: torch.device, driver: Any = None) -> None:
         self._gpu = device.type == "cuda"
         self._streams: list[torch.cuda.Stream] = []
-        self._done: list[torch.cuda.Event] = []
-        self._ready = torch.cuda.Event() if self._gpu else None
-        self._forked = 0
+        # Per side stream, the event its jobs' end is recorded in: torch's, or with ``driver`` a
+        # raw driver event (a driver call costs a fraction of torch's event methods).
+        self._done: list[Any] = []
         self.driver = driver if self._gpu else None
+        self._ready: Any = None if not self._gpu else self._new_event()
+        self._forked = 0
         self._branch: torch.cuda.Stream | None = None    # a captured graph's second stream
         self._graph_events: tuple | None = None          # (start, done): raw driver events
         self._graph_forked = False
 
+    def _new_event(self) -> Any:
+        if self.driver is None:
+            return torch.cuda.Event()
+        return driver_result(self.driver.cuEventCreate(_EVENT_DISABLE_TIMING), "event creation")
+
     def _ensure_streams(self, count: int) -> None:
         while len(self._streams) < count:
             self._streams.append(torch.cuda.Stream())
-            self._done.append(torch.cuda.Event())
+            self._done.append(self._new_event())
 
-    def mark(self) -> torch.cuda.Event | None:
-        """Record, now, the point of the current stream that a later ``fork(after=...)`` starts from."""
+    def mark(self) -> Any:
+        """Record, now, the point of the current stream that a later ``fork(after=...)`` starts
+        from (an event, torch's or the driver's: only ``fork`` reads it)."""
         if not self._gpu:
             return None
-        self._ready.record(current_stream())
+        if self.driver is not None:
+            driver_result(self.driver.cuEventRecord(self._ready, raw_current_stream()), "event record")
+        else:
+            self._ready.record(current_stream())
         return self._ready
 
-    def fork(self, jobs: list[Callable[[], None]], after: torch.cuda.Event | None = None) -> None:
+    def fork(self, jobs: list[Callable[[], None]], after: Any = None) -> None:
         """Run each job with a side stream of its own as the current stream, after everything
         already queued on the current stream, or only after the point ``mark`` returned."""
         if not self._gpu:
@@ -79,14 +92,21 @@ class PeerStreams:
         current = current_stream_ids()
         if after is None:
             after = self.mark()
+        driver = self.driver
         for job, stream, done in zip(jobs, self._streams, self._done):
-            stream.wait_event(after)
+            if driver is not None:
+                driver_result(driver.cuStreamWaitEvent(stream.cuda_stream, after, 0), "stream wait")
+            else:
+                stream.wait_event(after)
             set_stream(stream)
             try:
                 job()
             finally:
                 set_stream(current)
-            done.record(stream)
+            if driver is not None:
+                driver_result(driver.cuEventRecord(done, stream.cuda_stream), "event record")
+            else:
+                done.record(stream)
         self._forked = max(self._forked, len(jobs))
 
     def capture(self, body: Callable[[torch.cuda.Stream], None]) -> Any:
@@ -137,9 +157,14 @@ class PeerStreams:
     def join(self) -> None:
         """The current stream waits for every job and graph forked since the last ``join``."""
         if self._gpu and self._forked:
-            stream = current_stream()
-            for done in self._done[: self._forked]:
-                stream.wait_event(done)
+            if self.driver is not None:
+                caller = raw_current_stream()
+                for done in self._done[: self._forked]:
+                    driver_result(self.driver.cuStreamWaitEvent(caller, done, 0), "stream wait")
+            else:
+                stream = current_stream()
+                for done in self._done[: self._forked]:
+                    stream.wait_event(done)
         self._forked = 0
         if self._graph_forked:
             caller = raw_current_stream()

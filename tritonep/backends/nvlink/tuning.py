@@ -39,9 +39,10 @@ class Tuning:
     copy_engine_combine: bool = True
     combine_pieces: int = 0
     combine_piece_ratio: float = 0.6
-    # Those pieces through the CUDA driver (cuda-bindings: a copy and a stream write per piece)
-    # when it is installed; False: torch's copies and a signal kernel per piece.
-    combine_driver: bool = True
+    # The copy engines' work (those pieces, and the copy-engine dispatch receive below) through
+    # the CUDA driver when cuda-bindings is installed: a copy and a stream write per piece or
+    # source; False: torch's copies and a signal kernel.
+    copy_driver: bool = True
     # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
     # as one would without the overlap; for A/B runs).
     send_before_sync: bool = True
@@ -51,11 +52,12 @@ class Tuning:
     # False: allocate after the read-back (exact outputs, the host on the GPU's critical path).
     receive_before_sync: bool = True
     fresh_slack: float = 0.0625
-    # Cached dispatch (counts known on the host): every program sends, and the arrived rows go
-    # from staging into the outputs on the copy engines (a local copy moves ~1.9 TB/s against
-    # ~25 GB/s per receiver program) instead of on half the SMs. Off until it is measured on
-    # GPUs (dispatch_copy_engine.py).
-    copy_engine_dispatch: bool = False
+    # Cached dispatch (counts known on the host) from this many ranks on (0: never; True: from
+    # two): every program sends, and the arrived rows go from staging into the outputs on the
+    # copy engines (a local copy moves ~1.9 TB/s against ~25 GB/s per receiver program) instead
+    # of on half the SMs (dispatch_copy_engine.py). It carries more at EP4 and less at EP2
+    # (docs/benchmarks).
+    copy_engine_dispatch: int = 4
     # Low-latency kernels: programs per SM and warps per program of each launch (the dispatch
     # is fastest with two 8-warp programs per SM, the combine with four 4-warp programs moving
     # 4 rows per step), and the rows per step of the combine and of the dispatch's receive.
@@ -92,7 +94,7 @@ ENVIRONMENT = {
     "copy_engine_combine": "TRITONEP_COMBINE_COPY_ENGINE",
     "combine_pieces": "TRITONEP_COMBINE_PIECES",
     "combine_piece_ratio": "TRITONEP_COMBINE_PIECE_RATIO",
-    "combine_driver": "TRITONEP_COMBINE_DRIVER",
+    "copy_driver": "TRITONEP_COPY_DRIVER",
     "send_before_sync": "TRITONEP_SEND_BEFORE_SYNC",
     "receive_before_sync": "TRITONEP_RECEIVE_BEFORE_SYNC",
     "fresh_slack": "TRITONEP_FRESH_SLACK",

@@ -28,7 +28,7 @@ Host cost: each operation on a side stream costs the host microseconds, and an E
 fork and join about a copy. With cuda-bindings installed (and the GPU supporting stream memory
 operations) a piece is a copy and a ``cuStreamWriteValue64``: the tail word is written by the
 stream itself, which the driver orders after the copy with a memory barrier. Otherwise it is
-torch's ``copy_`` and a one-program signal kernel, same semantics (``Tuning.combine_driver=
+torch's ``copy_`` and a one-program signal kernel, same semantics (``Tuning.copy_driver=
 False`` chooses it). By default ``pieces_per_peer`` picks fewer pieces per peer as the peers
 grow in number, so that the host's issue stays well under the copies' own time.
 
@@ -77,6 +77,13 @@ def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
 
 # Per launch only these change; ``peer_base_ptrs`` is fixed per engine (the caller's ``owner``).
 _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_index", "value"))
+
+
+def set_peer_word(owner: object, peer_base_ptrs: torch.Tensor, peer: int, word: int, value: int) -> None:
+    """On the current stream, after the copies before it: ``peer``'s signal word ``word`` set to
+    ``value`` (a release store), by the one-program kernel. ``owner``: a key that stands for
+    ``peer_base_ptrs`` (equal keys, equal tensors)."""
+    _SIGNAL(1, owner, (peer_base_ptrs, peer, word, value), {}, 1)
 
 
 @kernel_names.jit("tritonep::intranode::send_weights",
@@ -303,7 +310,7 @@ def _torch_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_b
     def move(stream: int, peer: int, src_row: int, dst_row: int, rows: int, so_far: int) -> None:
         peers[peer].narrow(0, staging_x + dst_row * row_bytes, rows * row_bytes).copy_(
             x_bytes.narrow(0, src_row * row_bytes, rows * row_bytes), non_blocking=True)
-        _SIGNAL(1, owner, (peer_base_ptrs, peer, tail_index, so_far), {}, 1)
+        set_peer_word(owner, peer_base_ptrs, peer, tail_index, so_far)
     return move
 
 

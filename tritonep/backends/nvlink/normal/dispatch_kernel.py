@@ -296,9 +296,9 @@ def copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, s
                            rows, mask, out_x_ptr, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr,
                            x_words, scale_words, HAS_SCALES: tl.constexpr, HAS_TOPK: tl.constexpr,
                            NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SCALE_PAD: tl.constexpr,
-                           BLOCK: tl.constexpr, WITH_X: tl.constexpr = True):
+                           BLOCK: tl.constexpr):
     """Staging rows ``rows`` of this rank (``my_signals``: its allocation) into the same rows of
-    the outputs; without ``WITH_X`` the small fields only (the copy engines move the rows)."""
+    the outputs."""
     base = my_signals.to(tl.int64)
     # As in ``_send_rows``: the small fields' loads go out before the row moves.
     scales = None
@@ -313,9 +313,8 @@ def copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, s
         weights = _load_staged_fields((base + staging_weights).to(tl.pointer_type(tl.float32)), rows, mask,
                                       NUM_TOPK, TOPK_PAD)
     src = tl.load((base + staging_src).to(tl.pointer_type(tl.int32)) + rows, mask=mask, cache_modifier=".cg")
-    if WITH_X:
-        copy_rows(tl.multiple_of((base + staging_x).to(tl.pointer_type(tl.int32)), 16), rows, x_words, 1, out_x_ptr,
-                  rows, mask, x_words, BLOCK, True)
+    copy_rows(tl.multiple_of((base + staging_x).to(tl.pointer_type(tl.int32)), 16), rows, x_words, 1, out_x_ptr,
+              rows, mask, x_words, BLOCK, True)
     _store_row_fields(scales, experts, weights, src, out_scales_ptr, out_idx_ptr, out_weights_ptr, out_src_ptr, rows,
                       mask, scale_words, HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD)
 

@@ -31,12 +31,13 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 )
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
-from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier, field_programs
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import RECEIVERS as COPY_RECEIVERS
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier
 from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
 from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
 from tritonep.backends.nvlink.normal.notify_kernel import check_word
-from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay
+from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay, CopyReceive
 from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
 from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
 from tritonep.backends.nvlink.tuning import Tuning, combine_tile, split_programs, tile_block, tile_shape
@@ -88,10 +89,11 @@ class NormalEngine:
         # tensor, which Triton passes as its address (``StatusWord.address``), and the time-out.
         self._status_args = (state.status.tensor, self.timeout_ns)
         self.copier = None if self._memory is None else CombineCopier(
-            self._memory, state.peer_streams, self._driver if tuning.combine_driver else None,
+            self._memory, state.peer_streams, self._driver if tuning.copy_driver else None,
             state.launch_generation, tuning.combine_piece_ratio)
         self.dispatch_copier = None if self._memory is None else DispatchCopier(
-            self._memory, state.peer_streams, state.launch_generation, self._status_args)
+            self._memory, state.peer_streams, self._driver if tuning.copy_driver else None,
+            state.launch_generation, self._status_args)
 
     @property
     def memory(self) -> SymmetricBuffer:
@@ -182,8 +184,8 @@ class NormalEngine:
                 reads_counts = True
         state.dispatch_epoch += 1
         receivers = shape.receivers   # what this call adds to every peer's done word for this rank
-        copy_receive = (t.copy_engine_dispatch and handle is not None and request.num_worst_tokens == 0 and R > 1
-                        and plan.host_counts(R) is not None)
+        copy_receive = (t.copy_engine_dispatch and R >= max(t.copy_engine_dispatch, 2) and handle is not None
+                        and request.num_worst_tokens == 0 and plan.host_counts(R) is not None)
         # The kernel's argument groups (dispatch_kernel.py); both halves share all but the outputs.
         words = as_words(x) if x.dim() == 2 else x
         scale_view = as_words(scales) if scales is not None else words
@@ -244,10 +246,12 @@ class NormalEngine:
             state.dispatch_arrived += shape.copy_programs
             if plan.combine_copies is None:
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
-            receivers = field_programs(shape.scale_words, shape.num_topk)
-            self.dispatch_copier.fork(start, plan.combine_copies, state.dispatch_arrived, outputs[0],
-                                      output_args[1:5], prefix, shape.staging[2:7], shape.scale_words,
-                                      shape.copy_setup, shape.copy_constants, receivers)
+            receivers = COPY_RECEIVERS
+            # Rows, then the fields the call returns (a cached dispatch's source indices are the
+            # handle's: never copied).
+            regions = [(offset, out) for offset, out in zip(shape.staging[2:6], outputs[:4]) if out is not None]
+            self.dispatch_copier.fork(start, plan.combine_copies, state.dispatch_arrived,
+                                      state.dispatch_released + receivers, regions)
             state.peer_streams.join()
         else:
             # The counts are on the GPU already (a cached dispatch, or num_worst_tokens): one
@@ -256,11 +260,13 @@ class NormalEngine:
         state.dispatch_released += receivers
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
         replay = None
-        # The next such call may replay these launches (not yet the copy-engine receive's side work).
-        if handle is not None and request.num_worst_tokens == 0 and not copy_receive:
+        # The next such call may replay these launches (and the copy-engine receive's side work).
+        if handle is not None and request.num_worst_tokens == 0:
+            side = CopyReceive(self.dispatch_copier, plan.combine_copies, shape.staging[2], shape.staging[3],
+                               shape.copy_programs) if copy_receive else None
             replay = CachedDispatchReplay.learn(
                 state, x, scales, launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
-                receivers, state.dispatch_epoch, state.dispatch_released - receivers)
+                receivers, state.dispatch_epoch, state.dispatch_released - receivers, side)
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)

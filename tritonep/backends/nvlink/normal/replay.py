@@ -20,7 +20,8 @@ where it must.
 A replay holds the engine's ``NormalState`` (the epochs and release counters it advances, the
 status word, the side streams, the launch generation), never the engine, so the two paths
 share one state; the combine's copy-engine side work is the engine's ``CombineCopier``, the
-same object the general path calls.
+same object the general path calls; likewise a cached dispatch received on the copy engines
+forks the engine's ``DispatchCopier``.
 
 A combine replay also keeps its copy-engine side work as CUDA graphs, one per input address
 (``x`` and the top-k weights; the rest of what the graph holds is the handle's and the
@@ -34,12 +35,13 @@ buffers the caching allocator hands back) gets the graph from its third call on.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from tritonep.backends.nvlink.normal.combine_copy_engine import CombineCopier
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
 from tritonep.backends.nvlink.normal.state import NormalState
 from tritonep.runtime.launcher import argument_positions, current_stream
@@ -99,24 +101,39 @@ class _HandleReplay:
         return None if (main_address | other_address) & 15 else (main_address, other_address)
 
 
-class CachedDispatchReplay(_HandleReplay):
-    """A cached dispatch of one handle, input layout and num_sms: its one launch (both halves)."""
+class CopyReceive(NamedTuple):
+    """What a cached dispatch received on the copy engines forks beside its senders
+    (``dispatch_copy_engine.py``): the engine's copier, the handle's blocks, the staging
+    offsets of the rows and the scales, and the sender programs each source counts."""
 
-    __slots__ = ("rows", "scale_words", "receivers", "launch", "args")
+    copier: DispatchCopier
+    copies: list[tuple[int, int, int, int]]
+    staging_x: int
+    staging_scales: int
+    senders: int
+
+
+class CachedDispatchReplay(_HandleReplay):
+    """A cached dispatch of one handle, input layout and num_sms: its one launch (both halves,
+    or the senders alone and the copy-engine receive's side work)."""
+
+    __slots__ = ("rows", "scale_words", "receivers", "launch", "args", "copy_receive")
 
     def __init__(self, state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, rows: int,
-                 scale_words: int, receivers: int) -> None:
+                 scale_words: int, receivers: int, copy_receive: CopyReceive | None) -> None:
         super().__init__(state, x, scales)
         self.rows, self.scale_words, self.receivers = rows, scale_words, receivers
         self.launch, self.args = launch, list(launch.args)
+        self.copy_receive = copy_receive
 
     @staticmethod
     def learn(state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, recv_x: torch.Tensor,
               recv_scales: torch.Tensor | None, rows: int, scale_words: int, receivers: int, epoch: int,
-              released: int) -> CachedDispatchReplay | None:
+              released: int, copy_receive: CopyReceive | None = None) -> CachedDispatchReplay | None:
         """The replay of the cached dispatch the general path just launched (``launch``: the
-        compiled launch it made), or None when it launched none (the interpreter) or when the
-        list does not hold this call's values where a replay writes."""
+        compiled launch it made; ``copy_receive``: its side work, if the copy engines received),
+        or None when it launched none (the interpreter) or when the list does not hold this
+        call's values where a replay writes."""
         if launch is None or not x.is_contiguous():
             return None
         x_address = x.data_ptr()
@@ -127,7 +144,7 @@ class CachedDispatchReplay(_HandleReplay):
             values[_D_OUT_SCALES] = recv_scales.data_ptr()
         if not _holds(launch, values):
             return None
-        return CachedDispatchReplay(state, x, scales, launch, rows, scale_words, receivers)
+        return CachedDispatchReplay(state, x, scales, launch, rows, scale_words, receivers, copy_receive)
 
     def __call__(self, x: torch.Tensor, scales: torch.Tensor | None) -> Any:
         """recv_x (or (recv_x, recv_scales)) of the cached dispatch, or None: take the general path."""
@@ -148,7 +165,19 @@ class CachedDispatchReplay(_HandleReplay):
         args[_D_OUT_X] = recv_x.data_ptr()
         if recv_scales is not None:
             args[_D_OUT_SCALES] = recv_scales.data_ptr()
-        self.launch(current_stream(), args)
+        copy_receive = self.copy_receive
+        if copy_receive is None:
+            self.launch(current_stream(), args)
+        else:
+            start = state.peer_streams.mark()
+            self.launch(current_stream(), args)
+            state.dispatch_arrived += copy_receive.senders
+            regions = [(copy_receive.staging_x, recv_x)]
+            if recv_scales is not None:
+                regions.append((copy_receive.staging_scales, recv_scales))
+            copy_receive.copier.fork(start, copy_receive.copies, state.dispatch_arrived, released + self.receivers,
+                                     regions)
+            state.peer_streams.join()
         state.dispatch_released = released + self.receivers
         return recv_x if scales is None else (recv_x, recv_scales)
 
