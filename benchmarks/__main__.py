@@ -28,7 +28,8 @@ Modes, one per run:
 * ``--api v2``: DeepEP V2's calls (``ElasticBuffer``) beside V1's (``Buffer``) on the same backend
   and inputs, GPU and host time per call and V2's extra host time (``v2.py``); writes ``bench_v2.json``;
   with ``--host-profile`` also the functions whose own host time differs most between the two
-  APIs, under cProfile (``host_profile.py``).
+  APIs, under cProfile (``host_profile.py``); without ``--api v2``, ``--host-profile`` lists where
+  each host row's time goes (the cached dispatch with either receive).
 
 Bandwidth is DeepEP's "NVL GB/s": received bf16 bytes (rows from the rank itself included) over
 the time of one call (fp8: bytes scaled by (1 + 4/128) / 2). ``timing.py`` says how calls are
@@ -83,8 +84,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--api", choices=("v1", "v2"), default="v1",
                       help="v2: DeepEP V2's ElasticBuffer calls beside V1's Buffer calls (v1: the benchmark above)")
     parser.add_argument("--host-profile", action="store_true",
-                        help="with --api v2: each row's calls under cProfile, the functions whose own host time "
-                             "differs most between V1 and V2 (rank 0's)")
+                        help="each host row's calls under cProfile (rank 0's): with --api v2 the functions whose "
+                             "own host time differs most between V1 and V2, else those with the most")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     gpus = 0 if args.cpu else torch.cuda.device_count()

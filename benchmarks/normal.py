@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import tritonep
 
-from . import ceiling, inputs, timing
+from . import ceiling, host_profile, inputs, timing
 from .deepep import deepep_buffer, guarded
 from .internals import changed_tuning
 
@@ -41,13 +41,14 @@ def make_buffer(group: dist.ProcessGroup, backend: str, env: dict[str, str] | No
             os.environ.pop(name)
 
 
-def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
-                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_sms: int, fp8: bool = True,
-                   module: object = tritonep, only_combine: bool = False, fp8_cached: bool = False) -> dict:
-    """Times of one Buffer's calls and the bytes they receive. ``module`` is the package the
-    Buffer comes from (tritonep, or DeepEP's deep_ep): both size their configs the same way.
-    ``fp8=False`` leaves out the rows only the main measurement needs; ``fp8_cached`` keeps the
-    cached fp8 dispatch among them."""
+def buffer_calls(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
+                 topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_sms: int,
+                 module: object = tritonep) -> tuple[dict[str, Callable[..., object]], torch.Tensor]:
+    """The calls the bench makes on one Buffer, after one fresh dispatch that makes their handle:
+    ``layout``, ``fresh`` (dispatch with the count exchange), ``cached(x)`` (a dispatch of ``x``
+    with the handle) and ``combine``; and the rows that dispatch received. ``module`` is the
+    package the Buffer comes from (tritonep, or DeepEP's deep_ep): both size their configs the
+    same way."""
     module.Buffer.set_num_sms(num_sms)
     config = module.Buffer.get_dispatch_config(group.size())
     combine_config = module.Buffer.get_combine_config(group.size())
@@ -57,20 +58,24 @@ def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Name
         layout["num_tokens_per_rdma_rank"] = per_node
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config,
                                                  **layout)
+    calls = {
+        "layout": lambda: buffer.get_dispatch_layout(topk_idx, args.experts),
+        "fresh": lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout),
+        "cached": lambda x_in=x: buffer.dispatch(x_in, handle=handle, config=config),
+        "combine": lambda: buffer.combine(recv_x, handle, config=combine_config),
+    }
+    return calls, recv_x
+
+
+def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
+                   topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_sms: int, fp8: bool = True,
+                   module: object = tritonep, only_combine: bool = False, fp8_cached: bool = False) -> dict:
+    """Times of one Buffer's calls (``buffer_calls``) and the bytes they receive. ``fp8=False``
+    leaves out the rows only the main measurement needs; ``fp8_cached`` keeps the cached fp8
+    dispatch among them."""
+    calls, recv_x = buffer_calls(group, buffer, args, x, topk_idx, topk_weights, num_sms, module)
+    layout_call, fresh, cached, combine = calls["layout"], calls["fresh"], calls["cached"], calls["combine"]
     iters = args.iters
-
-    def layout_call() -> object:
-        return buffer.get_dispatch_layout(topk_idx, args.experts)
-
-    def fresh() -> object:
-        return buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout)
-
-    def cached() -> object:
-        return buffer.dispatch(x, handle=handle, config=config)
-
-    def combine() -> object:
-        return buffer.combine(recv_x, handle, config=combine_config)
-
     if only_combine:
         return {"combine_us": timing.median_us(group, combine, iters)}
     result = {
@@ -93,8 +98,7 @@ def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Name
         result["fresh_minus_cached_dispatch_us"] = timing.extra_us(group, fresh, cached, iters)
     if fp8 or fp8_cached:
         x_fp8 = tritonep.utils.per_token_cast_to_fp8(x)
-        result["cached_dispatch_fp8_us"] = timing.median_us(
-            group, lambda: buffer.dispatch(x_fp8, handle=handle, config=config), iters)
+        result["cached_dispatch_fp8_us"] = timing.median_us(group, lambda: cached(x_fp8), iters)
     recv = torch.tensor([recv_x.numel() * 2], dtype=torch.float64, device=x.device)
     dist.all_reduce(recv, op=dist.ReduceOp.MIN, group=group)
     result["recv_bytes"] = float(recv)
@@ -168,6 +172,26 @@ def _rounds(paths: dict[str, Callable[[], dict]], count: int) -> dict:
     return report
 
 
+def host_profiles(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
+                  topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> dict:
+    """``--host-profile``: each call of the host rows under cProfile, one at a time with the GPU
+    idle before it (``host_profile.own_us_per_call``), as {call: {"us": the sum of own times,
+    "largest": the functions with the most}}; the cached dispatch also with the other receive
+    (SM receivers, or the copy engines where the default leaves them off), so that the two
+    paths' host work can be told apart."""
+    calls, _ = buffer_calls(group, buffer, args, x, topk_idx, topk_weights, args.num_sms)
+    rows = {"layout": calls["layout"], "cached_dispatch": calls["cached"], "combine": calls["combine"]}
+    profiles = {name: host_profile.own_us_per_call(group, fn, args.iters) for name, fn in rows.items()}
+    tuning = getattr(buffer.backend, "tuning", None)   # (the CPU backend has no kernels to tune)
+    if tuning is not None and group.size() > 1:
+        other = 0 if group.size() >= tuning.copy_engine_dispatch > 0 else 2   # (2: on from 2 ranks)
+        with changed_tuning(buffer, copy_engine_dispatch=other):
+            calls, _ = buffer_calls(group, buffer, args, x, topk_idx, topk_weights, args.num_sms)
+            profiles[f"cached_dispatch, copy_engine_dispatch={other}"] = host_profile.own_us_per_call(
+                group, calls["cached"], args.iters)
+    return {name: {"us": sum(own.values()), "largest": host_profile.largest(own)} for name, own in profiles.items()}
+
+
 def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
     """The normal-mode report (rank 0's copy is printed and saved)."""
     rank, num_ranks = group.rank(), group.size()
@@ -209,6 +233,10 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
                 n: measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False) for n in SWEEP_SMS}
         if args.sweep:
             report["shape_sweep"] = shape_sweep(group, ours, args, x, topk_idx, topk_weights)
+
+    if args.host_profile:
+        report["host_profile"] = host_profiles(group, ours if ours is not None else collective, args, x, topk_idx,
+                                               topk_weights)
     if isinstance(deepep, tuple):
         module, theirs = deepep
         if (args.sweep or args.curve) and "error" not in report["deepep"]:

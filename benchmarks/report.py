@@ -89,6 +89,9 @@ def print_normal(report: dict) -> None:
             if "recv_bytes" in m:
                 print(f"{who}num_sms={n:<4} cached dispatch {gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} "
                       f"GB/s  combine {gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s")
+    for name, profiled in report.get("host_profile", {}).items():
+        print(f"host profile, {name}: own host us per call under cProfile {profiled['us']:.1f}; largest: "
+              + ", ".join(f"{function} {us:.1f}" for function, us in profiled["largest"]))
     for m in report.get("shape_sweep", []):
         fp8 = f"  fp8 {m['cached_dispatch_fp8_us']:6.1f} us" if "cached_dispatch_fp8_us" in m else ""
         print(f"{str(m['change']):<55} cached dispatch {gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  "

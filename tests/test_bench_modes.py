@@ -118,6 +118,21 @@ def test_v2_host_profile_names_where_the_apis_differ(tmp_path, capsys) -> None:
     assert "fresh dispatch: own host us per call under cProfile" in out and "largest own times, v2:" in out
 
 
+def test_v1_host_profile_lists_where_each_host_row_goes(tmp_path, capsys) -> None:
+    """``--host-profile`` without ``--api v2``: each host row's own host time under cProfile and
+    its largest functions, the front end's dispatch among the cached dispatch's."""
+    main(["--cpu", "--ranks", "2", "--host-profile", "--skip-low-latency", "--tokens", "16", "--hidden", "256",
+          "--experts", "8", "--topk", "3", "--iters", "2", "--rounds", "1", "--out", str(tmp_path)])
+    profiled = json.loads((tmp_path / "bench.json").read_text())["host_profile"]
+    assert set(profiled) == {"layout", "cached_dispatch", "combine"}
+    for name, row in profiled.items():
+        times = [us for _, us in row["largest"]]
+        assert times == sorted(times, reverse=True) and 0 < sum(times) <= row["us"] + 1e-6, name
+    assert any(function.startswith("v1/buffer.py") and "dispatch" in function
+               for function, _ in profiled["cached_dispatch"]["largest"]), profiled["cached_dispatch"]
+    assert "host profile, cached_dispatch: own host us per call under cProfile" in capsys.readouterr().out
+
+
 def test_internode_rows_beside_one_node_rows_on_cpu_ranks(tmp_path, capsys) -> None:
     """``--gpus-per-node 2`` on 4 CPU ranks: the split group's rows (the collective backend serves
     it) in the same run as the one-node rows, with bytes per rank and the NIC projection."""
