@@ -6,7 +6,8 @@ tritonep's public API only (``Buffer``, ``Config``, ``utils``).
 * ``internode_rdma_bytes``: the internode backend's heap size for a normal-mode problem
   (``layout.heap_bytes_for``).
 * The NVLink backend's ``Tuning`` (kernel shapes, the combine's path), reached through
-  ``Buffer.backend.tuning`` and swapped on one Buffer for the shape sweep and the SM-only combine.
+  ``Buffer.backend.tuning`` and swapped on one Buffer for the shape sweep and the SM-only combine;
+  ``copy_engine_receives``: whether its cached dispatch receives on the copy engines at R ranks.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import dataclasses
 from collections.abc import Iterator
 
 from tritonep.backends.internode.layout import heap_bytes_for as internode_rdma_bytes
+from tritonep.backends.nvlink.tuning import copy_engine_receives
 from tritonep.rank_pool import RankPool
 
-__all__ = ["RankPool", "changed_tuning", "internode_rdma_bytes"]
+__all__ = ["RankPool", "changed_tuning", "copy_engine_receives", "internode_rdma_bytes"]
 
 
 @contextlib.contextmanager

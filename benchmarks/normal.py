@@ -22,7 +22,7 @@ import tritonep
 
 from . import ceiling, host_profile, inputs, timing
 from .deepep import deepep_buffer, guarded
-from .internals import changed_tuning
+from .internals import changed_tuning, copy_engine_receives
 
 SWEEP_SMS = (4, 8, 16, 24, 32, 64)
 
@@ -184,7 +184,7 @@ def host_profiles(group: dist.ProcessGroup, buffer: object, args: argparse.Names
     profiles = {name: host_profile.own_us_per_call(group, fn, args.iters) for name, fn in rows.items()}
     tuning = getattr(buffer.backend, "tuning", None)   # (the CPU backend has no kernels to tune)
     if tuning is not None and group.size() > 1:
-        other = 0 if group.size() >= tuning.copy_engine_dispatch > 0 else 2   # (2: on from 2 ranks)
+        other = 0 if copy_engine_receives(tuning.copy_engine_dispatch, group.size()) else 2   # (2: from 2 ranks)
         with changed_tuning(buffer, copy_engine_dispatch=other):
             calls, _ = buffer_calls(group, buffer, args, x, topk_idx, topk_weights, args.num_sms)
             profiles[f"cached_dispatch, copy_engine_dispatch={other}"] = host_profile.own_us_per_call(

@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_ends, pieces_per_peer
-from tritonep.backends.nvlink.tuning import Tuning, combine_tile, tile_block, tile_rows, with_changes  # noqa: E402
+from tritonep.backends.nvlink.tuning import (  # noqa: E402
+    Tuning,
+    combine_tile,
+    copy_engine_receives,
+    tile_block,
+    tile_rows,
+    with_changes,
+)
 from tritonep.core import routing  # noqa: E402
 from tritonep.runtime.side_streams import PeerStreams  # noqa: E402
 
@@ -80,6 +87,18 @@ def test_combine_tile_by_rank_count() -> None:
     assert all(t * b * r <= 1 << 16 for r in range(2, 65) for t, b in [combine_tile(0, 0, r)])
     assert combine_tile(2, 0, 1) == (2, 2048) and combine_tile(1, 4096, 8) == (1, 4096)
     assert combine_tile(32, 0, 4) == (32, 512)
+
+
+def test_copy_engine_receive_by_rank_count(monkeypatch) -> None:
+    """The cached dispatch receives on the copy engines from 4 ranks by default (it lost at EP2,
+    won at EP4); N from N ranks, 0 or False never, True from 2; never at one rank."""
+    default = Tuning().copy_engine_dispatch
+    assert [copy_engine_receives(default, r) for r in (1, 2, 3, 4, 8)] == [False, False, False, True, True]
+    assert [copy_engine_receives(True, r) for r in (1, 2, 3)] == [False, True, True]
+    assert not any(copy_engine_receives(setting, 8) for setting in (0, False))
+    assert [copy_engine_receives(3, r) for r in (2, 3)] == [False, True]
+    monkeypatch.setenv("TRITONEP_DISPATCH_COPY_ENGINE", "2")
+    assert copy_engine_receives(Tuning.from_environment().copy_engine_dispatch, 2)
 
 
 def test_tile_rows_keep_about_128_kb_per_tile() -> None:

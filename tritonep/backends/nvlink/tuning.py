@@ -109,6 +109,12 @@ ENVIRONMENT = {
 }
 
 
+def copy_engine_receives(setting: int, num_ranks: int) -> bool:
+    """Whether a cached dispatch of ``num_ranks`` ranks receives on the copy engines
+    (``Tuning.copy_engine_dispatch``): 0 (or False) never, N from N ranks on, one rank never."""
+    return bool(setting) and num_ranks >= max(int(setting), 2)
+
+
 def split_programs(num_sms: int, fraction: float) -> tuple[int, int]:
     """(senders, receivers) out of ``num_sms`` programs (at least one of each)."""
     total = max(2, min(num_sms, MAX_CHANNELS))

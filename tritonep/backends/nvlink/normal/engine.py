@@ -40,7 +40,14 @@ from tritonep.backends.nvlink.normal.notify_kernel import check_word
 from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay, CopyReceive
 from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
 from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
-from tritonep.backends.nvlink.tuning import Tuning, combine_tile, split_programs, tile_block, tile_shape
+from tritonep.backends.nvlink.tuning import (
+    Tuning,
+    combine_tile,
+    copy_engine_receives,
+    split_programs,
+    tile_block,
+    tile_shape,
+)
 from tritonep.core.checks import InputError
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import DispatchHandle
@@ -184,7 +191,7 @@ class NormalEngine:
                 reads_counts = True
         state.dispatch_epoch += 1
         receivers = shape.receivers   # what this call adds to every peer's done word for this rank
-        copy_receive = (t.copy_engine_dispatch and R >= max(t.copy_engine_dispatch, 2) and handle is not None
+        copy_receive = (copy_engine_receives(t.copy_engine_dispatch, R) and handle is not None
                         and request.num_worst_tokens == 0 and plan.host_counts(R) is not None)
         # The kernel's argument groups (dispatch_kernel.py); both halves share all but the outputs.
         words = as_words(x) if x.dim() == 2 else x
