@@ -30,17 +30,17 @@ calls will have added (``released_target``; the receiver count varies with num_s
 Top-k ids are turned into the destination's local expert ids on the way (-1 elsewhere,
 weight 0), so receivers copy every row field verbatim.
 
-**Copy-engine receive** (``COPY_RECEIVE``, opt-in: ``Tuning.copy_engine_dispatch``, for a
-cached dispatch whose counts the host knows). Receiving is a local copy from staging into the
+**Copy-engine receive** (``COPY_RECEIVE``: ``Tuning.copy_engine_dispatch``, from 4 ranks by
+default, for a cached dispatch whose counts the host knows). Receiving is a local copy from staging into the
 outputs (same row index in both), which a receiver program does at ~25 GB/s while a copy engine
 does ~1.9 TB/s, and SM stores push more to the peers with more programs (measured on 4 x H200:
 24 sender programs ~307 GB/s, 12 ~215 GB/s). So the launch has only senders, all num_sms of
 them: each stores its channel's rows at every destination, then adds one to the destination's
 ``dispatch_arrived`` word for this rank (also when its channel was empty, so each call adds
 exactly ``NUM_SENDERS``; no tail words), then copies its share of our own rows from ``x`` into
-the outputs. A side stream waits for each source's arrived count and moves the source's block
-with a device-to-device copy, and a small kernel copies the small fields and releases the
-sources' staging (``dispatch_copy_engine.py``). Not yet measured on a GPU.
+the outputs. A side stream waits for each source's arrived count, moves the source's block of
+rows and of each small field with device-to-device copies, and then releases every source's
+staging (``dispatch_copy_engine.py``).
 """
 
 from __future__ import annotations
