@@ -233,7 +233,6 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
                 n: measure_buffer(group, ours, args, x, topk_idx, topk_weights, n, fp8=False) for n in SWEEP_SMS}
         if args.sweep:
             report["shape_sweep"] = shape_sweep(group, ours, args, x, topk_idx, topk_weights)
-
     if args.host_profile:
         report["host_profile"] = host_profiles(group, ours if ours is not None else collective, args, x, topk_idx,
                                                topk_weights)

@@ -33,11 +33,10 @@ def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -
 def copy_engine_dispatch_batch(group: dist.ProcessGroup, cases: list[Case], nvl_bytes: int,
                                tuning: dict | None = None) -> tuple[list[list[str]], list[dict]]:
     """``compare_cases`` with the copy-engine receive of cached dispatches on (and ``tuning``'s
-    other changes), then its counters
-    once the GPUs are idle (reported with the last case): the staging releases as above, and
-    every peer's arrived word for this rank at the senders the host counted
-    (``dispatch_arrived``, the same on every rank), which must have grown (with 2+ ranks: one
-    rank sends nothing and takes the usual path)."""
+    other changes), then its counters once the GPUs are idle (reported with the last case): the
+    staging releases as above, and every peer's arrived word for this rank at the senders the
+    host counted (``dispatch_arrived``, the same on every rank), which must have grown (with 2+
+    ranks: one rank sends nothing and takes the usual path)."""
     nvlink, _ = shared_buffers(group, nvl_bytes)
     state = nvlink.backend.normal.state
     arrived_before = state.dispatch_arrived

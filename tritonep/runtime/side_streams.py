@@ -139,8 +139,7 @@ class PeerStreams:
         queued on the current stream: four driver calls."""
         driver = self.driver
         if self._graph_events is None:
-            self._graph_events = tuple(driver_result(driver.cuEventCreate(_EVENT_DISABLE_TIMING), "event creation")
-                                       for _ in range(2))
+            self._graph_events = (self._new_event(), self._new_event())
         start, done = self._graph_events
         side = self._streams[0].cuda_stream
         caller = raw_current_stream()

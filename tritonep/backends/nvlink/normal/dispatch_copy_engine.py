@@ -81,7 +81,7 @@ class DispatchCopier:
     tensor and the time-out, for the wait kernel."""
 
     __slots__ = ("memory", "streams", "driver", "owner", "wait_args", "arrived_word", "done_word", "sources",
-                 "peer_bases")
+                 "release_addresses")
 
     def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object,
                  status_args: tuple[torch.Tensor, int]) -> None:
@@ -90,7 +90,9 @@ class DispatchCopier:
         self.wait_args = (memory.peer_base_ptrs, rank, *status_args)
         self.arrived_word, self.done_word = memory.signals.dispatch_arrived, memory.signals.dispatch_done + rank
         self.sources = [(rank + step) % num_ranks for step in range(1, num_ranks)]
-        self.peer_bases = [peer.data_ptr() for peer in memory.peers] if driver is not None else None
+        # Our done word in each source's signal area, as mapped here (the driver's releases).
+        self.release_addresses = [memory.peers[source].data_ptr() + 8 * self.done_word for source in self.sources] \
+            if driver is not None else []
 
     def fork(self, after: Any, copies: list[tuple[int, int, int, int]], arrived: int, released: int,
              outputs: list[tuple[int, torch.Tensor]]) -> None:
@@ -116,7 +118,6 @@ class DispatchCopier:
         into the source's word (the driver fences the copies before it)."""
         driver, local = self.driver, self.memory.local.data_ptr()
         regions = [(local + offset, out.data_ptr(), out.stride(0) * out.element_size()) for offset, out in outputs]
-        release_at = [self.peer_bases[source] + 8 * self.done_word for source in self.sources]
 
         def job() -> None:
             stream = current_stream()
@@ -125,7 +126,7 @@ class DispatchCopier:
                 for src, dst, row_bytes in regions:
                     driver_result(driver.cuMemcpyDtoDAsync(dst + first * row_bytes, src + first * row_bytes,
                                                            rows * row_bytes, stream), "dispatch's row copy")
-            for address in release_at:
+            for address in self.release_addresses:
                 driver_result(driver.cuStreamWriteValue64(stream, address, released, 0), "dispatch's staging release")
         return job
 

@@ -10,7 +10,7 @@ back a replay that repeats their launches (``replay.py``).
 The parts, a module each: the state the calls and their replays share (``state.py``), what a
 dispatch shape works out once (``shape.py``), the count exchange's host side (``counts.py``),
 the kernels (``*_kernel.py``), and the copy engines' side work of the combine
-(``combine_copy_engine.py``) and of the opt-in copy-engine receive of a cached dispatch
+(``combine_copy_engine.py``) and of a cached dispatch received on the copy engines
 (``dispatch_copy_engine.py``).
 """
 
@@ -205,14 +205,13 @@ class NormalEngine:
         behind = shape.staging + (state.dispatch_epoch, state.dispatch_released) + self._status_args
 
         launched = None   # the compiled launch that filled the outputs: a cached dispatch learns it
-        output_args: tuple = ()
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
             DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind, shape.send_constants,
                      t.warps)
 
         def receive(rows: int, guard_word: int = 0, roles: str = "receive") -> tuple[torch.Tensor, ...]:
-            nonlocal launched, output_args
+            nonlocal launched
             outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self.device,
                                        self._cached_recv_src(plan, rows) if handle is not None else None)
             output_args = (outputs[0].view(torch.int32),
