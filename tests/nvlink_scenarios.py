@@ -15,10 +15,11 @@ import tritonep as deep_ep
 
 
 def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -> bool:
-    """The staging accounting, once the GPUs are idle: on every rank, each peer's receiver
-    programs have added to this rank's dispatch_done word exactly as often as the host counted
-    (``dispatch_released``, the same on every rank). More would let a sender overwrite staging
-    that a peer still reads; fewer would hang the next dispatch."""
+    """The staging accounting, once the GPUs are idle: on every rank, each peer's receivers
+    have added to this rank's dispatch_done word exactly as often as the host counted
+    (``dispatch_released``, the same on every rank), less the copy-engine receive's release
+    that every rank still owes until its next dispatch (``dispatch_release_due``). More would let
+    a sender overwrite staging that a peer still reads; fewer would hang the next dispatch."""
     backend = buffer.backend
     if buffer.device.type == "cuda":
         torch.cuda.synchronize()
@@ -26,7 +27,8 @@ def staging_released_exactly(group: dist.ProcessGroup, buffer: deep_ep.Buffer) -
     memory = backend.memory
     first = memory.signals.dispatch_done
     done = memory.signal_words()[first: first + group.size()].tolist()
-    released = backend.normal.state.dispatch_released
+    state = backend.normal.state
+    released = state.dispatch_released - state.dispatch_release_due
     return all(count == released for peer, count in enumerate(done) if peer != group.rank())
 
 

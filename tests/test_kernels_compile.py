@@ -116,7 +116,7 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, 
              out_weights_ptr=F32, out_src_ptr=I32, num_out_rows=8192, guard_word=6, peer_base_ptrs=I64,
              staging_x=1 << 20,
              staging_scales=1 << 28, staging_idx=1 << 29, staging_weights=1 << 30, staging_src=(1 << 30) + 4096,
-             capacity=8192, rank=0, epoch=5, released_target=48, experts_per_rank=128, status_ptr=I64,
+             capacity=8192, rank=0, epoch=5, released_target=48, release_due=1, experts_per_rank=128, status_ptr=I64,
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2, DONE_WORD=322, ARRIVED_WORD=1300, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12,
              NUM_RECEIVERS=12, SEND=send, RECEIVE=receive, COPY_RECEIVE=copy_receive, HAS_SCALES=has_scales,
@@ -125,17 +125,18 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, 
     # The waits use acquire loads and the timer: check the inline PTX made it into the kernel.
     assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]
     assert "%globaltimer" in kernel.asm["ptx"]
-    # Receivers release the sources' staging with a release add; senders publish per-channel
-    # tails with a release exchange, or with copy_receive count themselves with a release add.
+    # Receivers release the sources' staging with a release add, and so do senders for a
+    # copy-engine receive's release still owed; senders publish per-channel tails with a release
+    # exchange, or with copy_receive count themselves with a release add.
     ptx = kernel.asm["ptx"]
-    assert ("sys.release.add" in ptx) == (receive or copy_receive)
+    assert "sys.release.add" in ptx
     assert ("sys.release.exch" in ptx) == (send and not copy_receive)
 
 
 def test_arrival_wait_kernel_compiles() -> None:
     kernel = compile_for_hopper(arrival_wait_kernel,
-                                dict(peer_base_ptrs=I64, rank=1, word=1300, target=96, status_ptr=I64,
-                                     timeout_ns=60 * 10**9, source=2), {})
+                                dict(peer_base_ptrs=I64, rank=1, first_word=1300, target=96, status_ptr=I64,
+                                     timeout_ns=60 * 10**9), dict(NUM_RANKS=4))
     assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]
 
 

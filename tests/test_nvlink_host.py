@@ -1,5 +1,6 @@
 """The NVLink backend's host-side arithmetic, checked without kernels: where the copy-engine
-combine copies each block, how blocks split into pieces, rows per tile, the count matrix read
+combine copies each block, which staging rows the copy-engine dispatch receive copies, how
+blocks split into pieces, rows per tile, the count matrix read
 back by a fresh dispatch, and the side streams' CPU fallback."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton")
 
 from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_ends, pieces_per_peer
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import staged_ranges  # noqa: E402
 from tritonep.backends.nvlink.tuning import (  # noqa: E402
     Tuning,
     combine_tile,
@@ -55,6 +57,21 @@ def test_combine_copies_return_each_block_to_where_its_source_reduces_it(counts:
             assert staging[offset: offset + rows] == [(me, i) for i in range(rows)]
             copied.add(peer)
         assert copied == {p for p in range(num_ranks) if p != me and counts[p][me] > 0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(count_matrices)
+def test_staged_ranges_cover_every_received_row_but_our_own(counts: list[list[int]]) -> None:
+    """A dispatch's staging holds the rows from each source in source order, our own block
+    among them (written by our senders straight into the outputs): the copy-engine receive
+    copies every other row exactly once, in at most two copies per field."""
+    num_ranks = len(counts)
+    for me in range(num_ranks):
+        rows_from = [source for source in range(num_ranks) for _ in range(counts[source][me])]
+        ranges = staged_ranges(combine_copies(counts, me))
+        copied = [row for first, rows in ranges for row in range(first, first + rows)]
+        assert sorted(copied) == [row for row, source in enumerate(rows_from) if source != me]
+        assert len(copied) == len(set(copied)) and len(ranges) <= 2 and all(rows > 0 for _, rows in ranges)
 
 
 @pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1000])

@@ -26,7 +26,9 @@ launches do, and spares the host a launch and the side stream's event records an
 Staging is reused by the next call, so before writing to a peer a sender waits until all
 receiver programs of that peer finished the previous call: each receiver program adds one to
 ``dispatch_done`` at every source when it is done, and the host passes the total all earlier
-calls will have added (``released_target``; the receiver count varies with num_sms).
+calls will have added (``released_target``; the receiver count varies with num_sms). A
+copy-engine receive's release is owed until this rank's next launch with senders: its first
+program adds it (``release_due``) before any sender waits.
 Top-k ids are turned into the destination's local expert ids on the way (-1 elsewhere,
 weight 0), so receivers copy every row field verbatim.
 
@@ -38,9 +40,9 @@ does ~1.9 TB/s, and SM stores push more to the peers with more programs (measure
 them: each stores its channel's rows at every destination, then adds one to the destination's
 ``dispatch_arrived`` word for this rank (also when its channel was empty, so each call adds
 exactly ``NUM_SENDERS``; no tail words), then copies its share of our own rows from ``x`` into
-the outputs. A side stream waits for each source's arrived count, moves the source's block of
-rows and of each small field with device-to-device copies, and then releases every source's
-staging (``dispatch_copy_engine.py``).
+the outputs. A side stream waits for every source's arrived count and moves the arrived rows and
+small fields with device-to-device copies (``dispatch_copy_engine.py``); the staging is released
+by this rank's next launch with senders (``release_due``), which runs after those copies.
 """
 
 from __future__ import annotations
@@ -172,8 +174,9 @@ def _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NU
 
 
 @kernel_names.jit("tritonep::intranode::dispatch",
-                  do_not_specialize=["rank", "epoch", "released_target", "experts_per_rank", "num_out_rows",
-                                     "guard_word", "capacity", "timeout_ns", "scale_words", "token_list_stride"])
+                  do_not_specialize=["rank", "epoch", "released_target", "release_due", "experts_per_rank",
+                                     "num_out_rows", "guard_word", "capacity", "timeout_ns", "scale_words",
+                                     "token_list_stride"])
 def dispatch_kernel(
     # Inputs: the rows as 4-byte words, their scales (any strides; x where absent), the top-k ids
     # and weights (x where absent), and the experts per rank that turn ids into local ones.
@@ -187,8 +190,9 @@ def dispatch_kernel(
     # Staging area: every rank's allocation, this rank, the byte offsets of the regions of each row
     # field (memory.StagingLayout) and the rows they hold.
     peer_base_ptrs, rank, staging_x, staging_scales, staging_idx, staging_weights, staging_src, capacity,
-    # Call counters: this call's epoch, and the receiver programs all earlier calls counted.
-    epoch, released_target,
+    # Call counters: this call's epoch, the receiver programs all earlier calls counted, and the
+    # copy-engine receives' releases this rank still owes every source (added by the senders).
+    epoch, released_target, release_due,
     # Status: where a wait that gives up reports (pinned host memory), and after how long.
     status_ptr, timeout_ns,
     # Signal words, program roles, row fields, tile shape.
@@ -210,6 +214,10 @@ def dispatch_kernel(
     else:
         sending = SEND
     if sending:
+        if (tl.program_id(0) == 0) & (release_due > 0):
+            # Before any wait of ours: a peer's senders may be waiting for it. (The copies that
+            # read the staging came before this launch on the stream.)
+            release_staging(peer_base_ptrs, rank, release_due, DONE_WORD, NUM_RANKS)
         for step in range(0, NUM_RANKS - 1):
             # Rotated, so that the programs of all ranks spread over the links.
             destination = (rank + 1 + step) % NUM_RANKS
@@ -277,10 +285,17 @@ def dispatch_kernel(
                                            HAS_SCALES, HAS_TOPK, NUM_TOPK, TOPK_PAD, SCALE_PAD, BLOCK)
                 done = arrived
         # Our reads of staging are done: let every source reuse it in its next call.
-        for step in range(0, NUM_RANKS - 1):
-            source = (rank + 1 + step) % NUM_RANKS
-            peer_signals = tl.load(peer_base_ptrs + source).to(tl.pointer_type(tl.int64))
-            add_release(peer_signals + DONE_WORD + rank, 1)
+        release_staging(peer_base_ptrs, rank, 1, DONE_WORD, NUM_RANKS)
+
+
+@triton.jit
+def release_staging(peer_base_ptrs, rank, count, DONE_WORD: tl.constexpr, NUM_RANKS: tl.constexpr):
+    """Add ``count`` receivers to this rank's done word at every source: a source writes into our
+    staging again once all the receivers its senders wait for are counted."""
+    for step in range(0, NUM_RANKS - 1):
+        source = (rank + 1 + step) % NUM_RANKS
+        peer_signals = tl.load(peer_base_ptrs + source).to(tl.pointer_type(tl.int64))
+        add_release(peer_signals + DONE_WORD + rank, count)
 
 
 @triton.jit
@@ -324,4 +339,4 @@ def copy_staged_row_fields(my_signals, staging_x, staging_scales, staging_idx, s
 DISPATCH = FastLauncher(dispatch_kernel, changing=(
     "x_ptr", "scales_ptr", "scale_token_stride", "scale_col_stride", "topk_idx_ptr", "topk_weights_ptr",
     "token_list_ptr", "token_list_stride", "prefix_ptr", "out_x_ptr", "out_scales_ptr", "out_idx_ptr",
-    "out_weights_ptr", "out_src_ptr", "num_out_rows", "guard_word", "epoch", "released_target"))
+    "out_weights_ptr", "out_src_ptr", "num_out_rows", "guard_word", "epoch", "released_target", "release_due"))

@@ -32,7 +32,7 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
 from tritonep.backends.nvlink.normal.dispatch_copy_engine import RECEIVERS as COPY_RECEIVERS
-from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier, staged_ranges
 from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
 from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
@@ -202,13 +202,15 @@ class NormalEngine:
                   shape.experts_per_rank)
         send_plan = (plan.token_list, plan.token_list.stride(0), prefix)
         ahead = inputs + send_plan
-        behind = shape.staging + (state.dispatch_epoch, state.dispatch_released) + self._status_args
+        release_due = state.dispatch_release_due   # added by this call's first launch with senders
+        behind = shape.staging + (state.dispatch_epoch, state.dispatch_released, release_due) + self._status_args
 
         launched = None   # the compiled launch that filled the outputs: a cached dispatch learns it
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
             DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind, shape.send_constants,
                      t.warps)
+            state.dispatch_release_due = 0
 
         def receive(rows: int, guard_word: int = 0, roles: str = "receive") -> tuple[torch.Tensor, ...]:
             nonlocal launched
@@ -223,6 +225,8 @@ class NormalEngine:
                 "both": (shape.both_programs, shape.both_setup, shape.both_constants),
                 "copy": (shape.copy_programs, shape.copy_setup, shape.copy_constants)}[roles]
             launched = DISPATCH(programs, setup, ahead + output_args + behind, constants, t.warps)
+            if constants["SEND"]:
+                state.dispatch_release_due = 0
             return outputs
 
         if reads_counts:
@@ -253,11 +257,11 @@ class NormalEngine:
             if plan.combine_copies is None:
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
             receivers = COPY_RECEIVERS
+            state.dispatch_release_due += receivers
             # Rows, then the fields the call returns (a cached dispatch's source indices are the
             # handle's: never copied).
             regions = [(offset, out) for offset, out in zip(shape.staging[2:6], outputs[:4]) if out is not None]
-            self.dispatch_copier.fork(start, plan.combine_copies, state.dispatch_arrived,
-                                      state.dispatch_released + receivers, regions)
+            self.dispatch_copier.fork(start, staged_ranges(plan.combine_copies), state.dispatch_arrived, regions)
             state.peer_streams.join()
         else:
             # The counts are on the GPU already (a cached dispatch, or num_worst_tokens): one
@@ -268,11 +272,11 @@ class NormalEngine:
         replay = None
         # The next such call may replay these launches (and the copy-engine receive's side work).
         if handle is not None and request.num_worst_tokens == 0:
-            side = CopyReceive(self.dispatch_copier, plan.combine_copies, shape.staging[2], shape.staging[3],
-                               shape.copy_programs) if copy_receive else None
+            side = CopyReceive(self.dispatch_copier, staged_ranges(plan.combine_copies), shape.staging[2],
+                               shape.staging[3], shape.copy_programs) if copy_receive else None
             replay = CachedDispatchReplay.learn(
                 state, x, scales, launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
-                receivers, state.dispatch_epoch, state.dispatch_released - receivers, side)
+                receivers, state.dispatch_epoch, state.dispatch_released - receivers, release_due, side)
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)

@@ -10,8 +10,8 @@ plan holds the objects), the input's dtype, shape and layout, and ``num_sms`` (t
 key, ``core/replay.py``). The engine makes it after a general call (``learn``) from the
 compiled launches that call made (``launcher._Setup``): private copies of their raw argument
 lists, in which a replay writes only what changes per call (the inputs, the new outputs, the
-epoch and the staging-release target), after checking that the inputs still fit what the
-launches were compiled for (dtype, shape, strides, device, 16-byte alignment). ``learn`` first
+epoch, the staging-release target and the releases owed), after checking that the inputs still
+fit what the launches were compiled for (dtype, shape, strides, device, 16-byte alignment). ``learn`` first
 checks that the lists hold this call's values at those places, so the two paths cannot drift
 apart unnoticed. Anything else (a time-out report, an unchecked ``num_worst_tokens`` dispatch
 before, other kernel shapes) returns None and the caller takes the general path, which raises
@@ -53,9 +53,9 @@ if TYPE_CHECKING:
 # Where the per-call values go in the launches' argument lists. A cached dispatch passes no
 # top-k, and a combine no bias, weights or expert ids, as x's address (never read). A combine's
 # expert ids (V2's weights, ``OwnSlots``) are the handle's: learnt, not rewritten.
-_D_X, _D_SCALES, _D_TOPK_IDX, _D_TOPK_WEIGHTS, _D_OUT_X, _D_OUT_SCALES, _D_EPOCH, _D_RELEASED = argument_positions(
-    dispatch_kernel, "x_ptr", "scales_ptr", "topk_idx_ptr", "topk_weights_ptr", "out_x_ptr", "out_scales_ptr",
-    "epoch", "released_target")
+(_D_X, _D_SCALES, _D_TOPK_IDX, _D_TOPK_WEIGHTS, _D_OUT_X, _D_OUT_SCALES, _D_EPOCH, _D_RELEASED,
+ _D_RELEASE_DUE) = argument_positions(dispatch_kernel, "x_ptr", "scales_ptr", "topk_idx_ptr", "topk_weights_ptr",
+                                      "out_x_ptr", "out_scales_ptr", "epoch", "released_target", "release_due")
 (_C_X, _C_X_WORDS, _C_BIAS0, _C_BIAS1, _C_WEIGHTS, _C_TOPK_IDX, _C_OUT, _C_OUT_WEIGHTS, _C_EPOCH,
  _C_RELEASED) = argument_positions(combine_kernel, "x_ptr", "x_words_ptr", "bias0_ptr", "bias1_ptr", "weights_ptr",
                                    "topk_idx_ptr", "out_ptr", "out_weights_ptr", "epoch", "released_target")
@@ -103,11 +103,12 @@ class _HandleReplay:
 
 class CopyReceive(NamedTuple):
     """What a cached dispatch received on the copy engines forks beside its senders
-    (``dispatch_copy_engine.py``): the engine's copier, the handle's blocks, the staging
-    offsets of the rows and the scales, and the sender programs each source counts."""
+    (``dispatch_copy_engine.py``): the engine's copier, the handle's received rows in staging
+    (``staged_ranges``), the staging offsets of the rows and the scales, and the sender
+    programs each source counts."""
 
     copier: DispatchCopier
-    copies: list[tuple[int, int, int, int]]
+    ranges: list[tuple[int, int]]
     staging_x: int
     staging_scales: int
     senders: int
@@ -129,7 +130,8 @@ class CachedDispatchReplay(_HandleReplay):
     @staticmethod
     def learn(state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, recv_x: torch.Tensor,
               recv_scales: torch.Tensor | None, rows: int, scale_words: int, receivers: int, epoch: int,
-              released: int, copy_receive: CopyReceive | None = None) -> CachedDispatchReplay | None:
+              released: int, release_due: int, copy_receive: CopyReceive | None = None
+              ) -> CachedDispatchReplay | None:
         """The replay of the cached dispatch the general path just launched (``launch``: the
         compiled launch it made; ``copy_receive``: its side work, if the copy engines received),
         or None when it launched none (the interpreter) or when the list does not hold this
@@ -139,7 +141,7 @@ class CachedDispatchReplay(_HandleReplay):
         x_address = x.data_ptr()
         values = {_D_X: x_address, _D_SCALES: x_address if scales is None else scales.data_ptr(),
                   _D_TOPK_IDX: x_address, _D_TOPK_WEIGHTS: x_address, _D_EPOCH: epoch, _D_RELEASED: released,
-                  _D_OUT_X: recv_x.data_ptr()}
+                  _D_RELEASE_DUE: release_due, _D_OUT_X: recv_x.data_ptr()}
         if recv_scales is not None:
             values[_D_OUT_SCALES] = recv_scales.data_ptr()
         if not _holds(launch, values):
@@ -161,22 +163,23 @@ class CachedDispatchReplay(_HandleReplay):
         args = self.args
         args[_D_X], args[_D_SCALES], args[_D_TOPK_IDX], args[_D_TOPK_WEIGHTS] = \
             x_address, scales_address, x_address, x_address
-        args[_D_EPOCH], args[_D_RELEASED] = epoch, released
+        args[_D_EPOCH], args[_D_RELEASED], args[_D_RELEASE_DUE] = epoch, released, state.dispatch_release_due
         args[_D_OUT_X] = recv_x.data_ptr()
         if recv_scales is not None:
             args[_D_OUT_SCALES] = recv_scales.data_ptr()
         copy_receive = self.copy_receive
         if copy_receive is None:
             self.launch(current_stream(), args)
+            state.dispatch_release_due = 0
         else:
             start = state.peer_streams.mark()
             self.launch(current_stream(), args)
             state.dispatch_arrived += copy_receive.senders
+            state.dispatch_release_due = self.receivers
             regions = [(copy_receive.staging_x, recv_x)]
             if recv_scales is not None:
                 regions.append((copy_receive.staging_scales, recv_scales))
-            copy_receive.copier.fork(start, copy_receive.copies, state.dispatch_arrived, released + self.receivers,
-                                     regions)
+            copy_receive.copier.fork(start, copy_receive.ranges, state.dispatch_arrived, regions)
             state.peer_streams.join()
         state.dispatch_released = released + self.receivers
         return recv_x if scales is None else (recv_x, recv_scales)

@@ -36,11 +36,13 @@ class NormalState:
     every peer's done word, so a sender knows when the staging it writes into is free again.
     ``dispatch_arrived`` counts the sender programs of all copy-engine dispatches
     (``dispatch_copy_engine.py``): each adds 1 to every peer's arrived word for this rank.
+    ``dispatch_release_due``: of the receivers counted, those whose release this rank still owes
+    every source (a copy-engine receive's), which the next dispatch launch with senders adds.
     """
 
     __slots__ = ("device", "notify_epoch", "dispatch_epoch", "combine_epoch", "dispatch_released",
-                 "combine_released", "dispatch_arrived", "status", "send_stream", "peer_streams", "launch_generation",
-                 "unchecked_padding")
+                 "combine_released", "dispatch_arrived", "dispatch_release_due", "status", "send_stream",
+                 "peer_streams", "launch_generation", "unchecked_padding")
 
     def __init__(self, device: torch.device, driver: Any = None) -> None:
         self.device = device
@@ -50,6 +52,7 @@ class NormalState:
         self.dispatch_released = 0
         self.combine_released = 0
         self.dispatch_arrived = 0
+        self.dispatch_release_due = 0
         # A kernel that gives up waiting on a peer writes (phase, peer) here (runtime/status.py).
         self.status = StatusWord()
         # The dispatch's send half runs on a side stream beside its receive half; the copy-engine
