@@ -45,12 +45,13 @@ import torch
 import triton.language as tl
 
 from tritonep.backends.nvlink.memory import SymmetricBuffer
+from tritonep.backends.nvlink.normal.state import NormalState
 from tritonep.device.signals import wait_at_least
 from tritonep.device.status_codes import PHASE_DISPATCH_DATA
 from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher, current_stream
 from tritonep.runtime.platform import GPU_KERNELS
-from tritonep.runtime.side_streams import PeerStreams, driver_result
+from tritonep.runtime.side_streams import driver_result
 
 
 @kernel_names.jit("tritonep::intranode::arrival_wait", do_not_specialize=["first_word", "target"])
@@ -88,35 +89,46 @@ def staged_ranges(copies: list[tuple[int, int, int, int]]) -> list[tuple[int, in
 
 class DispatchCopier:
     """The copy-engine receive of a cached dispatch, for one engine and tuning: the arrivals'
-    wait and the copies, on one side stream of ``streams``, which the caller joins. The general
-    path and the cached dispatch's replay (``replay.py``) both call it.
+    wait and the copies, on one side stream of ``state.peer_streams``, and the counters they
+    advance in ``state``. The general path and the cached dispatch's replay (``replay.py``) both
+    call it: ``mark`` just before the senders' launch, ``receive`` just after it.
 
     ``driver``: cuda-bindings' driver module, or None for torch's copies. ``owner``: a key that
     stands for ``memory``, its signal layout and ``status_args`` in the launches' setup keys (the
     engine's launch generation). ``status_args``: the status word's tensor and the time-out, for
     the wait kernel."""
 
-    __slots__ = ("memory", "streams", "driver", "owner", "wait_args", "wait_constants")
+    __slots__ = ("memory", "state", "streams", "driver", "owner", "wait_args", "wait_constants")
 
-    def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object,
+    def __init__(self, memory: SymmetricBuffer, state: NormalState, driver: Any, owner: object,
                  status_args: tuple[torch.Tensor, int]) -> None:
-        self.memory, self.streams, self.driver, self.owner = memory, streams, driver, owner
+        self.memory, self.state, self.streams, self.driver, self.owner = \
+            memory, state, state.peer_streams, driver, owner
         status, timeout_ns = status_args
         self.wait_args = (memory.peer_base_ptrs, memory.rank, memory.signals.dispatch_arrived, status, timeout_ns)
         self.wait_constants = dict(NUM_RANKS=memory.num_ranks, GPU=GPU_KERNELS)
 
-    def fork(self, after: Any, ranges: list[tuple[int, int]], arrived: int,
-             outputs: list[tuple[int, torch.Tensor]]) -> None:
-        """Start the receive of a dispatch whose senders were launched after the point ``after``
-        of the current stream (``PeerStreams.mark``). ``ranges``: ``staged_ranges`` of the
-        handle; ``arrived``: the arrived count every source reaches with this call; ``outputs``:
-        each region to copy as ``(its staging offset in bytes, its output)``, the rows first
-        (``StagingLayout.dispatch``). Nothing to receive, nothing to wait for: a later wait's
-        count covers this call's senders too."""
+    def mark(self) -> Any:
+        """The point of the current stream just before the senders' launch (for ``receive``)."""
+        return self.streams.mark()
+
+    def receive(self, start: Any, senders: int, ranges: list[tuple[int, int]],
+                outputs: list[tuple[int, torch.Tensor]]) -> None:
+        """After the launch of ``senders`` sender programs (``start``: what ``mark`` returned
+        before it): count them, owe the sources this call's release, and receive on the side
+        stream, which the current stream then joins. ``ranges``: the handle's
+        ``staged_ranges``; ``outputs``: each region to copy as ``(its staging offset in bytes,
+        its output)``, the rows first (``StagingLayout.dispatch``). Nothing to receive, nothing
+        to wait for: a later wait's count covers this call's senders too."""
+        state = self.state
+        state.dispatch_arrived += senders
+        state.dispatch_release_due += RECEIVERS
         if not ranges:
             return
+        arrived = state.dispatch_arrived
         self.streams.fork([self._driver_job(ranges, arrived, outputs) if self.driver is not None else
-                           self._torch_job(ranges, arrived, outputs)], after=after)
+                           self._torch_job(ranges, arrived, outputs)], after=start)
+        self.streams.join()
 
     def _wait(self, arrived: int) -> None:
         peer_base_ptrs, rank, first_word, status, timeout_ns = self.wait_args

@@ -99,8 +99,8 @@ class NormalEngine:
             self._memory, state.peer_streams, self._driver if tuning.copy_driver else None,
             state.launch_generation, tuning.combine_piece_ratio)
         self.dispatch_copier = None if self._memory is None else DispatchCopier(
-            self._memory, state.peer_streams, self._driver if tuning.copy_driver else None,
-            state.launch_generation, self._status_args)
+            self._memory, state, self._driver if tuning.copy_driver else None, state.launch_generation,
+            self._status_args)
 
     @property
     def memory(self) -> SymmetricBuffer:
@@ -251,18 +251,15 @@ class NormalEngine:
             state.send_stream.join()   # later work on the current stream (and the allocator) waits for the send
         elif copy_receive:
             # Every program sends (and copies our own rows); the copy engines receive.
-            start = state.peer_streams.mark()
+            start = self.dispatch_copier.mark()
             outputs = receive(num_out_rows, roles="copy")
-            state.dispatch_arrived += shape.copy_programs
             if plan.combine_copies is None:
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
             receivers = COPY_RECEIVERS
-            state.dispatch_release_due += receivers
             # Rows, then the fields the call returns (a cached dispatch's source indices are the
             # handle's: never copied).
             regions = [(offset, out) for offset, out in zip(shape.staging[2:6], outputs[:4]) if out is not None]
-            self.dispatch_copier.fork(start, staged_ranges(plan.combine_copies), state.dispatch_arrived, regions)
-            state.peer_streams.join()
+            self.dispatch_copier.receive(start, shape.copy_programs, staged_ranges(plan.combine_copies), regions)
         else:
             # The counts are on the GPU already (a cached dispatch, or num_worst_tokens): one
             # launch runs both halves.

@@ -168,19 +168,14 @@ class CachedDispatchReplay(_HandleReplay):
         if recv_scales is not None:
             args[_D_OUT_SCALES] = recv_scales.data_ptr()
         copy_receive = self.copy_receive
-        if copy_receive is None:
-            self.launch(current_stream(), args)
-            state.dispatch_release_due = 0
-        else:
-            start = state.peer_streams.mark()
-            self.launch(current_stream(), args)
-            state.dispatch_arrived += copy_receive.senders
-            state.dispatch_release_due = self.receivers
+        start = None if copy_receive is None else copy_receive.copier.mark()
+        self.launch(current_stream(), args)
+        state.dispatch_release_due = 0   # the senders added it
+        if copy_receive is not None:
             regions = [(copy_receive.staging_x, recv_x)]
             if recv_scales is not None:
                 regions.append((copy_receive.staging_scales, recv_scales))
-            copy_receive.copier.fork(start, copy_receive.ranges, state.dispatch_arrived, regions)
-            state.peer_streams.join()
+            copy_receive.copier.receive(start, copy_receive.senders, copy_receive.ranges, regions)
         state.dispatch_released = released + self.receivers
         return recv_x if scales is None else (recv_x, recv_scales)
 
