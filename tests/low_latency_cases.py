@@ -426,7 +426,10 @@ def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, vic
     after round 0, and no mask set by hand: the survivors' calls must complete, the waits on
     the victim masking it (``low_latency_query_mask_buffer`` shows it, a warning names it), and
     every later round must equal the CPU backend's with the victim masked by everyone.
-    Needs a pool of its own: the victim never takes part again."""
+    Needs a pool of its own: the victim never makes another call on the pool's group. A
+    stalled victim waits for the survivors on the gloo group at the end (no Buffer call), so
+    that its memory outlives their calls and the pool's processes stay in step for a next run;
+    after a kill the pool has a dead member."""
     import os
     import signal
     import warnings
@@ -452,6 +455,7 @@ def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, vic
     if rank == victim:
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier(group=gloo)
         return None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -466,4 +470,7 @@ def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, vic
     notices = [str(w.message) for w in caught if f"waiting for rank {victim}, and masked it" in str(w.message)]
     if not notices:
         problems.append(f"no warning named rank {victim}: {[str(w.message) for w in caught]}")
-    return problems + _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"][:])
+    problems += _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"][:])
+    if not kill:
+        dist.barrier(group=gloo)
+    return problems
