@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import queue
 import threading
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank_timing import CompileClock, current_test
 
 from tritonep.rank_pool import leave_after_this_run
 
@@ -103,51 +103,6 @@ def ahead(produce: Callable[[Any], Any], items: Iterable[Any], times: list[dict]
 THREAD_STOP_S = 5.0
 
 
-class CompileClock:
-    """Counts the Triton kernels compiled (or loaded from Triton's disk cache) in this process
-    while it is entered, and the seconds they took: Triton's compile hooks, chained.
-
-    A hook installed while the clock runs may chain to the clock's (tritonep wraps NVSHMEM
-    kernels on their first launch, and torch's NVSHMEM set-up must then run for every module
-    compiled later). So on exit the clock puts the earlier hooks back only where its own are
-    still in place; elsewhere its hooks stay in the chain and just pass the call on."""
-
-    def __init__(self) -> None:
-        self.count, self.seconds, self._start = 0, 0.0, 0.0
-        self._counting = False
-
-    def __enter__(self) -> CompileClock:
-        from triton import knobs
-
-        self._saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-        self._counting = True
-
-        def before(**kwargs: Any) -> bool:
-            if self._counting:
-                self._start = time.perf_counter()
-            return bool(self._saved[0] and self._saved[0](**kwargs))
-
-        def after(**kwargs: Any) -> Any:
-            if self._counting:
-                self.count += 1
-                self.seconds += time.perf_counter() - self._start
-            return self._saved[1](**kwargs) if self._saved[1] else None
-
-        self._hooks = before, after
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from triton import knobs
-
-        self._counting = False
-        before, after = self._hooks
-        if knobs.runtime.jit_cache_hook is before:
-            knobs.runtime.jit_cache_hook = self._saved[0]
-        if knobs.runtime.jit_post_compile_hook is after:
-            knobs.runtime.jit_post_compile_hook = self._saved[1]
-
-
 def run_batch(group: dist.ProcessGroup, cases: list[Any], oracle: Callable[[Any], Any],
               compare: Callable[[Any, Any], list[str]]) -> tuple[list[list[str]], list[dict]]:
     """On one rank: ``oracle(case)`` (CPU only, collectives on ``oracle_group``) one case ahead of
@@ -180,8 +135,7 @@ def check_batch(pool: Any, fn: Callable[..., tuple[list[list[str]], list[dict]]]
     rank that found a mismatch. The batch's timings are kept for the session's summary."""
     start = time.perf_counter()
     results = pool.run(fn, cases, *args)
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
-    BATCHES.append((test, len(cases), time.perf_counter() - start, [times for _, times in results]))
+    BATCHES.append((current_test(), len(cases), time.perf_counter() - start, [times for _, times in results]))
     failures = [f"{case} on rank {rank}: {per_rank[0][index]}"
                 for index, case in enumerate(cases) for rank, per_rank in enumerate(results) if per_rank[0][index]]
     assert not failures, "\n".join(failures)

@@ -66,26 +66,48 @@ SESSION_NOTES: list[str] = []   # lines for the terminal summary
 
 
 def _failure_grace() -> float:
-    """A rank that fails leaves its peers in its kernels' bounded waits (TRITONEP_TIMEOUT_S, 60 s
-    by default) or in a collective: their errors, naming rank and phase, get that long to come
-    back, then the pool starts afresh."""
-    return float(os.environ.get("TRITONEP_TIMEOUT_S", 60)) + 10
+    from gpu_pools import failure_grace
+
+    return failure_grace()
+
+
+def _uses(session: pytest.Session, fixture: str) -> bool:
+    return any(fixture in getattr(item, "fixturenames", ()) for item in session.items)
 
 
 @pytest.fixture(scope="session")
-def gpu_session_pool():
+def gpu_session_pool(request: pytest.FixtureRequest):
     """The GPU tests' RankPool, started once per session (``gpu_pool``). Beside it, spare cores
-    compile the kernels the suite is listed to need (kernel_cache.py)."""
+    compile the kernels the suite is listed to need (kernel_cache.py), and the internode tests'
+    ranks start too when the session has such tests (``transport_session_pool``), so that
+    their start-up overlaps the first tests."""
+    from gpu_pools import ready_gpu_pool, start_gpu_pool
     from kernel_cache import KERNEL_LIST, warm_in_background
 
     ranks, cores = gpu_ranks(), len(os.sched_getaffinity(0))
     # Each rank keeps two threads busy (its GPU side, its oracle); the rest compile.
     warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks))
-    pool = _gpu_rank_pool(ranks)
-    yield pool
+    pool = start_gpu_pool(ranks)
+    if _own_transport_ranks(ranks) and _uses(request.session, "transport_pool"):
+        _STARTING["transport"] = start_gpu_pool(ranks)
+    timed = ready_gpu_pool(pool, "the session's GPU ranks")
+    yield timed
     pool.close()
+    for unused in _STARTING.values():   # started for tests that then did not run
+        unused.close(force=True)
     if warming is not None:
         SESSION_NOTES.append(warming.stop())
+
+
+_STARTING: dict[str, RankPool] = {}   # pools started ahead of the fixture that hands them out
+
+
+def _own_transport_ranks(ranks: int) -> bool:
+    """Whether the internode tests get ranks apart from the session's: with one GPU per rank
+    their heap is NVSHMEM's, and torch picks a process's symmetric-memory backend once, at its
+    first allocation (the session's Buffers allocate through torch's CUDA backend). Ranks
+    sharing GPUs use plain stores and torch's CUDA backend: the session's ranks serve."""
+    return ranks <= torch.cuda.device_count()
 
 
 @pytest.fixture(scope="module")
@@ -95,62 +117,65 @@ def gpu_pool(gpu_session_pool):
     their CUDA contexts and NCCL takes seconds); each module finds the ranks as the first one did
     (rank_state.py). ``TRITONEP_TEST_KERNELS_OUT``: the ranks list the kernels they compile there
     (kernel_cache.py)."""
+    from gpu_pools import prepare
     from rank_state import reset_ranks
 
-    _prepare(gpu_session_pool)   # again per module: a pool stopped after a failure started new ranks
+    prepare(gpu_session_pool)   # again per module: a pool stopped after a failure started new ranks
     yield gpu_session_pool
     if gpu_session_pool.running:   # not stopped by a failure
         gpu_session_pool.run(reset_ranks)
 
 
-@pytest.fixture(scope="module")
-def transport_pool(gpu_pool):
-    """The internode tests' GPU ranks. With one GPU per rank their heap is NVSHMEM's, and torch
-    picks a process's symmetric-memory backend once, at its first allocation: such a module gets
-    ranks of its own, apart from the session's (whose Buffers allocate through torch's CUDA
-    backend). Ranks sharing GPUs use plain stores and torch's CUDA backend: the session's ranks."""
-    if gpu_pool.num_ranks > torch.cuda.device_count():
-        yield gpu_pool
+@pytest.fixture(scope="session")
+def transport_session_pool(gpu_session_pool):
+    """The internode tests' GPU ranks (``_own_transport_ranks``), one pool for every internode
+    module: NVSHMEM is initialised once, and the Buffers each module keeps stay for the session
+    (NVSHMEM frees collectively, so nothing is freed behind a module's back; together they take
+    about 3 GB of NVSHMEM's heap at 4 ranks, ``NVSHMEM_SYMMETRIC_SIZE``)."""
+    from gpu_pools import ready_gpu_pool, start_gpu_pool
+
+    if not _own_transport_ranks(gpu_session_pool.num_ranks):
+        yield gpu_session_pool
         return
-    pool = _gpu_rank_pool(gpu_pool.num_ranks)
-    _prepare(pool)
-    yield pool
+    pool = _STARTING.pop("transport", None) or start_gpu_pool(gpu_session_pool.num_ranks)
+    yield ready_gpu_pool(pool, "the internode tests' GPU ranks")
     pool.close()
 
 
-# The GPU ranks' CPU tensors of 2 MiB and more on transparent huge pages (torch's CPU allocator
-# reads the variable at its first allocation): the oracle's fresh tensors of rows, 100 MB and
-# more at the race loops' sizes, then fault in 2 MiB at a time instead of 4 KiB, several times
-# faster. Hosts whose huge pages are off ignore it.
-GPU_RANK_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+@pytest.fixture(scope="module")
+def transport_pool(transport_session_pool, gpu_pool):
+    """``transport_session_pool`` for a module: prepared again (a pool stopped after a failure
+    started new ranks), its environment restored at the module's end."""
+    from gpu_pools import prepare
+    from rank_state import restore_environment
 
-
-def _gpu_rank_pool(ranks: int) -> RankPool:
-    """``ranks`` GPU ranks under the suite's torch defaults (``TRITONEP_TEST_DEFAULT_*``)."""
-    from torch_defaults import pool_options  # TRITONEP_TEST_DEFAULT_DTYPE / _DEVICE reruns
-
-    return RankPool(ranks, use_gpu=True, timeout=600, failure_grace=_failure_grace(), env=GPU_RANK_ENV,
-                    **pool_options(use_gpu=True))
-
-
-def _prepare(pool: RankPool) -> None:
-    """``rank_state.prepare_ranks`` on every rank: the host's cores shared out (two threads per
-    rank are busy already), the compiled kernels listed where ``TRITONEP_TEST_KERNELS_OUT`` says."""
-    from kernel_cache import OUT_VARIABLE
-    from rank_state import prepare_ranks
-
-    pool.run(prepare_ranks, max(1, len(os.sched_getaffinity(0)) // (2 * pool.num_ranks)), os.environ.get(OUT_VARIABLE))
+    if transport_session_pool is gpu_pool:
+        yield gpu_pool
+        return
+    prepare(transport_session_pool)
+    yield transport_session_pool
+    if transport_session_pool.running:
+        transport_session_pool.run(restore_environment)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int,
                             config: pytest.Config) -> None:
     """With ``--durations``: where the time of the batched cases went (case_batches.py)."""
-    from case_batches import summary_lines
+    import case_batches
+    import rank_timing
 
-    lines = summary_lines()
-    if (lines or SESSION_NOTES) and config.option.durations is not None:
+    if config.option.durations is None:
+        return
+    batches = case_batches.summary_lines()
+    if batches or SESSION_NOTES:
         terminalreporter.section("batched cases: wall time, and per phase the slowest rank's sum over cases")
-        for line in SESSION_NOTES + lines:
+        for line in SESSION_NOTES + batches:
+            terminalreporter.write_line(line)
+    runs = rank_timing.summary_lines()
+    if runs:
+        terminalreporter.section("GPU pool runs per test: wall time, and in the slowest rank where the "
+                                 "kernels' time went")
+        for line in runs:
             terminalreporter.write_line(line)
 
 

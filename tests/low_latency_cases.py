@@ -15,6 +15,7 @@ rows that never come (as in DeepEP), while the CPU backend cuts the pair both wa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import nvlink_cases
@@ -222,13 +223,25 @@ def _masked_waits(name: str, round_index: int, waits: dict, masks, combine_masks
                for r in skipped | set(combine_masks or ()) if waits["combine_wait"][r]])
 
 
-def compare_low_latency_cases(group: dist.ProcessGroup, cases: list[LowLatencyCase],
-                              skip_rank: int | None = None) -> tuple[list[list[str]], list[dict]]:
+def as_it_is() -> str:
+    """The setting ``compare_low_latency_cases`` uses by default: Buffers made as ``buffers``
+    makes them. A setting returns its name (for the mismatches; "" here)."""
+    return ""
+
+
+def compare_low_latency_cases(group: dist.ProcessGroup, cases: list[LowLatencyCase], skip_rank: int | None = None,
+                              settings: Sequence[Callable[[], str]] = (as_it_is,)
+                              ) -> tuple[list[list[str]], list[dict]]:
     """The mismatches on this rank of each case (empty when the NVLink and CPU backends agree),
     and each case's timings (``case_batches.run_batch``).
 
     ``skip_rank`` (shrink mode): that rank makes no NVLink call at all, as if it had died; the
     others must mask it. It still takes part in the CPU oracle, whose collectives need it.
+
+    ``settings``: each sets up where the next Buffers are made (the environment, ``_state``,
+    ``buffer_options``: a node split, a transport) and returns its name. Every case runs on each
+    setting's NVLink Buffers, compared with one oracle: the CPU backend's results do not depend
+    on them.
     """
     rank, num_ranks = group.rank(), group.size()
     # The Buffers first, each sized for the largest case of the batch that uses it: the CPU
@@ -238,34 +251,42 @@ def compare_low_latency_cases(group: dist.ProcessGroup, cases: list[LowLatencyCa
         shrink = case.masks is not None
         needed[shrink] = max(needed.get(shrink, 0), deep_ep.Buffer.get_low_latency_rdma_size_hint(
             case.T, case.hidden, num_ranks, case.num_experts))
-    pairs = {shrink: buffers(group, rdma_bytes, shrink) for shrink, rdma_bytes in sorted(needed.items())}
+    sides = [(setting(), {shrink: buffers(group, rdma_bytes, shrink) for shrink, rdma_bytes in sorted(needed.items())})
+             for setting in settings]
 
     def oracle(case: LowLatencyCase) -> dict:
-        return _expected_rounds(pairs[case.masks is not None][1], case, rank, num_ranks)
+        return _expected_rounds(sides[0][1][case.masks is not None][1], case, rank, num_ranks)
 
     def compare(case: LowLatencyCase, expected: dict) -> list[str]:
         if rank == skip_rank:
             return []
-        nvlink = pairs[case.masks is not None][0]
-        device = nvlink.device
-        stats = {"recv": torch.zeros(case.num_experts // num_ranks, dtype=torch.int32, device=device)}
-        problems: list[str] = []
-        for round_index, (inputs, expected_round, cpu_waits) in enumerate(expected["rounds"]):
-            masks, combine_masks = _round_masks(case, rank, round_index)
-            if masks is not None:
-                stats["dispatch_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-                stats["combine_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device=device)
-            got = _round(nvlink, case, inputs, device, stats, masks, combine_masks)
-            expected_round = to_device(expected_round, device)
-            for key in expected_round:
-                problems += [f"call {round_index}: {m}" for m in _differences(key, got[key], expected_round[key])]
-            if masks is not None:
-                waits = {kind: stats[kind].tolist() for kind in ("dispatch_wait", "combine_wait")}
-                problems += _masked_waits("nvlink", round_index, waits, masks, combine_masks)
-                problems += _masked_waits("cpu", round_index, cpu_waits, masks, combine_masks)
-        return problems + _differences("recv_stats", stats["recv"], expected["recv"].to(device))
+        return [f"{name}: {problem}" if name else problem for name, pairs in sides
+                for problem in _compare_rounds(pairs[case.masks is not None][0], case, expected, rank, num_ranks)]
 
     return run_batch(group, cases, oracle, compare)
+
+
+def _compare_rounds(nvlink: deep_ep.Buffer, case: LowLatencyCase, expected: dict, rank: int,
+                    num_ranks: int) -> list[str]:
+    """The case's rounds on ``nvlink`` with the oracle's inputs, against its results (``expected``,
+    ``_expected_rounds``): the mismatches."""
+    device = nvlink.device
+    stats = {"recv": torch.zeros(case.num_experts // num_ranks, dtype=torch.int32, device=device)}
+    problems: list[str] = []
+    for round_index, (inputs, expected_round, cpu_waits) in enumerate(expected["rounds"]):
+        masks, combine_masks = _round_masks(case, rank, round_index)
+        if masks is not None:
+            stats["dispatch_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+            stats["combine_wait"] = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+        got = _round(nvlink, case, inputs, device, stats, masks, combine_masks)
+        expected_round = to_device(expected_round, device)
+        for key in expected_round:
+            problems += [f"call {round_index}: {m}" for m in _differences(key, got[key], expected_round[key])]
+        if masks is not None:
+            waits = {kind: stats[kind].tolist() for kind in ("dispatch_wait", "combine_wait")}
+            problems += _masked_waits("nvlink", round_index, waits, masks, combine_masks)
+            problems += _masked_waits("cpu", round_index, cpu_waits, masks, combine_masks)
+    return problems + _differences("recv_stats", stats["recv"], expected["recv"].to(device))
 
 
 def compare_low_latency(group: dist.ProcessGroup, case: LowLatencyCase, skip_rank: int | None = None) -> list[str]:
@@ -426,7 +447,10 @@ def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, vic
     after round 0, and no mask set by hand: the survivors' calls must complete, the waits on
     the victim masking it (``low_latency_query_mask_buffer`` shows it, a warning names it), and
     every later round must equal the CPU backend's with the victim masked by everyone.
-    Needs a pool of its own: the victim never takes part again."""
+    Needs a pool of its own: the victim never makes another call on the pool's group. A
+    stalled victim waits for the survivors on the gloo group at the end (no Buffer call), so
+    that its memory outlives their calls and the pool's processes stay in step for a next run;
+    after a kill the pool has a dead member."""
     import os
     import signal
     import warnings
@@ -452,6 +476,7 @@ def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, vic
     if rank == victim:
         if kill:
             os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier(group=gloo)
         return None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -466,4 +491,7 @@ def survivors_mask_dead_rank(group: dist.ProcessGroup, case: LowLatencyCase, vic
     notices = [str(w.message) for w in caught if f"waiting for rank {victim}, and masked it" in str(w.message)]
     if not notices:
         problems.append(f"no warning named rank {victim}: {[str(w.message) for w in caught]}")
-    return problems + _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"][:])
+    problems += _differences("recv_stats", stats["nvlink"]["recv"].cpu(), stats["cpu"]["recv"][:])
+    if not kill:
+        dist.barrier(group=gloo)
+    return problems

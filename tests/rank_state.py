@@ -29,12 +29,22 @@ def prepare_ranks(group: dist.ProcessGroup, threads: int, kernels_out: str | Non
         _recording.add(kernels_out)
 
 
-def reset_ranks(group: dist.ProcessGroup) -> None:
-    """At a module's end, on every GPU rank: the environment as ``prepare_ranks`` found it, and
-    no Buffer kept by the case modules (their GPU memory given back)."""
-    from low_latency_cases import release_buffers
+def answer(group: dist.ProcessGroup) -> None:
+    """Nothing: a run that returns once every rank is up (``rank_timing.note_start``)."""
 
+
+def restore_environment(group: dist.ProcessGroup) -> None:
+    """The environment as ``prepare_ranks`` found it (modules set ``TRITONEP_GPUS_PER_NODE``,
+    ``TRITONEP_BACKEND`` ... in their ranks)."""
     if _environment:   # (a rank started after a failure mid-module was never prepared)
         os.environ.clear()
         os.environ.update(_environment)
+
+
+def reset_ranks(group: dist.ProcessGroup) -> None:
+    """At a module's end, on every GPU rank of the session's pool: the environment restored, and
+    no Buffer kept by the case modules (their GPU memory given back)."""
+    from low_latency_cases import release_buffers
+
+    restore_environment(group)
     release_buffers(group)

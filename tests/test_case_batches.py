@@ -85,7 +85,7 @@ def test_a_hook_installed_during_a_batch_outlives_it() -> None:
     """The compile clock gives back Triton's hooks as it found them, except where a hook was
     chained onto its own meanwhile (NVSHMEM kernels wrapped on their first launch): that chain
     stays, so later batches still run torch's NVSHMEM set-up for the modules they compile."""
-    from case_batches import CompileClock
+    from rank_timing import CompileClock
     from triton import knobs
 
     calls: list[str] = []

@@ -28,35 +28,50 @@ from tritonep.rank_pool import RankPool
 _buffers: dict = {}
 
 
-def split_buffers(group: dist.ProcessGroup, ranks_per_node: int, rdma_bytes: int) -> tuple[Buffer, Buffer]:
-    """The internode Buffer and the CPU backend's, on the oracle's gloo group, both made (once
-    per split and size on this rank) with the group split into nodes of ``ranks_per_node``."""
+def internode_buffer(group: dist.ProcessGroup, ranks_per_node: int, rdma_bytes: int) -> Buffer:
+    """The internode Buffer with the group split into nodes of ``ranks_per_node``, made once per
+    split and size on this rank."""
     key = (ranks_per_node, rdma_bytes)
     if key not in _buffers:
-        env = {GPUS_PER_NODE_VARIABLE: str(ranks_per_node)}
-        internode = make_buffer(group, "nvlink", env, num_rdma_bytes=rdma_bytes)
+        internode = make_buffer(group, "nvlink", {GPUS_PER_NODE_VARIABLE: str(ranks_per_node)},
+                                num_rdma_bytes=rdma_bytes)
         assert type(internode.backend).__name__ == "InternodeBackend", type(internode.backend)
-        _buffers[key] = (internode, make_buffer(oracle_group(group), "collective", env))
+        _buffers[key] = internode
     return _buffers[key]
 
 
-def compare_split_cases(group: dist.ProcessGroup, cases: list[Case], ranks_per_node: int,
+def oracle_buffer(group: dist.ProcessGroup, ranks_per_node: int) -> Buffer:
+    """The CPU backend's Buffer on the oracle's gloo group, made (once on this rank) with the
+    group split into nodes: it serves a split group with the one-node results, so one oracle
+    serves every split."""
+    if "cpu" not in _buffers:
+        _buffers["cpu"] = make_buffer(oracle_group(group), "collective", {GPUS_PER_NODE_VARIABLE: str(ranks_per_node)})
+    return _buffers["cpu"]
+
+
+def compare_split_cases(group: dist.ProcessGroup, cases: list[Case], splits: list[int],
                         rdma_bytes: int) -> tuple[list[list[str]], list[dict]]:
-    """On every rank: each case on the internode backend, compared with the CPU backend's
-    results, which a thread works out a case ahead (``case_batches.run_batch``). Returns the
-    mismatches and the timings of each case."""
-    internode, cpu = split_buffers(group, ranks_per_node, rdma_bytes)
-    return run_batch(group, cases, cpu_oracle(cpu, group),
-                     lambda case, oracle_result: run_and_compare(internode, case, oracle_result))
+    """On every rank: each case on the internode backend at each split (ranks per node) in
+    ``splits``, compared with the CPU backend's results, which a thread works out once per case,
+    a case ahead (``case_batches.run_batch``). Returns the mismatches and the timings of each case."""
+    internode = {split: internode_buffer(group, split, rdma_bytes) for split in splits}
+    cpu = oracle_buffer(group, splits[0])
+
+    def compare(case: Case, oracle_result: tuple[dict, dict]) -> list[str]:
+        return [f"{split} ranks per node: {problem}" for split in splits
+                for problem in run_and_compare(internode[split], case, oracle_result)]
+
+    return run_batch(group, cases, cpu_oracle(cpu, group), compare)
 
 
 def transport_of(group: dist.ProcessGroup, ranks_per_node: int, rdma_bytes: int) -> str:
-    return _buffers[(ranks_per_node, rdma_bytes)][0].backend.heap.name
+    return _buffers[(ranks_per_node, rdma_bytes)].backend.heap.name
 
 
-def _check(pool: RankPool, cases: list[Case], ranks_per_node: int, rdma_bytes: int = 1 << 22) -> None:
-    """The cases on the internode and the CPU backend, compared on the ranks: one pool run."""
-    check_batch(pool, compare_split_cases, cases, ranks_per_node, rdma_bytes)
+def _check(pool: RankPool, cases: list[Case], splits: list[int], rdma_bytes: int = 1 << 22) -> None:
+    """The cases on the internode backend at each split and on the CPU backend, compared on the
+    ranks: one pool run."""
+    check_batch(pool, compare_split_cases, cases, splits, rdma_bytes)
 
 
 # Random, skewed, all-to-one and empty routings, ranks without tokens, fp8 with row-major and
@@ -83,11 +98,11 @@ CASES_3X2 = [
 
 
 def test_interpreter_two_nodes_of_two(interpreter_pools) -> None:
-    _check(interpreter_pools(4), CASES_2X2, 2)
+    _check(interpreter_pools(4), CASES_2X2, [2])
 
 
 def test_interpreter_three_nodes_of_two(interpreter_pools) -> None:
-    _check(interpreter_pools(6), CASES_3X2, 2)
+    _check(interpreter_pools(6), CASES_3X2, [2])
 
 
 def test_interpreter_empty_rows_from_numpy(interpreter_pools) -> None:
@@ -100,7 +115,7 @@ def test_interpreter_empty_rows_from_numpy(interpreter_pools) -> None:
 
 def test_interpreter_transport_is_plain_stores(interpreter_pools) -> None:
     pool = interpreter_pools(4)
-    _check(pool, CASES_2X2[:1], 2)
+    _check(pool, CASES_2X2[:1], [2])
     assert set(pool.run(transport_of, 2, 1 << 22)) == {"stores"}
 
 
@@ -122,14 +137,14 @@ def _gpu_splits(num_ranks: int) -> list[int]:
 
 @pytest.mark.gpu(min_gpus=2)
 def test_gpu_matches_cpu_backend(transport_pool) -> None:
-    """Every split of the machine's ranks into nodes, ``GPU_CASES`` in one batch each; NVSHMEM
-    with one GPU per rank, plain stores when ranks share GPUs (TRITONEP_GPU_RANKS)."""
+    """Every split of the machine's ranks into nodes, ``GPU_CASES`` in one batch, each case at
+    every split against one oracle; NVSHMEM with one GPU per rank, plain stores when ranks share
+    GPUs (TRITONEP_GPU_RANKS)."""
     import torch
 
     R = transport_pool.num_ranks
     cases = [Case(**{**case.__dict__, "tokens": case.tokens[:1] * R}) for case in GPU_CASES]
-    for ranks_per_node in _gpu_splits(R):
-        _check(transport_pool, cases, ranks_per_node, 1 << 29)
+    _check(transport_pool, cases, _gpu_splits(R), 1 << 29)
     expected = "stores" if R > torch.cuda.device_count() else "nvshmem"
     for ranks_per_node in _gpu_splits(R):
         assert set(transport_pool.run(transport_of, ranks_per_node, 1 << 29)) == {expected}
@@ -151,7 +166,7 @@ def test_gpu_race_loop(transport_pool) -> None:
                   fp8=rng.random() < 0.4, bias=rng.random() < 0.3, routing=rng.choice(["random", "skewed"]))
              for seed in range(100)]
     for first in range(0, len(cases), RACE_BATCH):
-        _check(transport_pool, cases[first:first + RACE_BATCH], ranks_per_node, 1 << 29)
+        _check(transport_pool, cases[first:first + RACE_BATCH], [ranks_per_node], 1 << 29)
 
 
 # ---------------------------------------------------------------------------------- compiling

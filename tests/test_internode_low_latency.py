@@ -19,10 +19,12 @@ the CPU backend's on the same split:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import low_latency_cases as cases
 import pytest
+from case_batches import check_batch
 from low_latency_cases import SCHEDULES, LowLatencyCase, symmetric_masks
 
 from tritonep.core.topology import GPUS_PER_NODE_VARIABLE
@@ -53,9 +55,17 @@ def _run(pool: RankPool, ranks_per_node: int, function_name: str, *args) -> list
     return [result for result, _ in outcomes]
 
 
-def _check(pool: RankPool, case: LowLatencyCase, ranks_per_node: int = 2) -> None:
-    problems = _run(pool, ranks_per_node, "compare_low_latency", case)
-    assert all(not p for p in problems), f"{case}: {problems}"
+def compare_on_nodes(group, batch: list[LowLatencyCase], ranks_per_node: int) -> tuple[list[list[str]], list[dict]]:
+    """On every rank: ``low_latency_cases.compare_low_latency_cases`` with the group split into
+    nodes of ``ranks_per_node`` (``on_nodes``); Buffers not of the internode backend fail every case."""
+    (problems, times), backends = on_nodes(group, ranks_per_node, "compare_low_latency_cases", batch)
+    wrong = [] if backends == ["InternodeBackend"] else [f"Buffers of {backends}"]
+    return [case_problems + wrong for case_problems in problems], times
+
+
+def _check(pool: RankPool, batch: LowLatencyCase | list[LowLatencyCase], ranks_per_node: int = 2) -> None:
+    """The cases on the internode and the CPU backend, compared on the ranks: one pool run."""
+    check_batch(pool, compare_on_nodes, batch if isinstance(batch, list) else [batch], ranks_per_node)
 
 
 NO_MASKS = ((),) * 4
@@ -159,15 +169,16 @@ def test_gpu_race_loop(gpu_pool) -> None:
 
     rng = random.Random(7)
     R = gpu_pool.num_ranks
+    batch = []
     for i in range(30):
         T = rng.choice([1, 16, 128])
         use_fp8 = rng.random() < 0.6
-        case = LowLatencyCase(
+        batch.append(LowLatencyCase(
             seed=600 + i, tokens=tuple(rng.randint(0, T) for _ in range(R)), T=T, hidden=rng.choice([2048, 7168]),
             num_experts=R * rng.choice([4, 36]), num_topk=rng.choice([1, 8]), use_fp8=use_fp8,
             round_scale=use_fp8 and rng.random() < 0.5, hook=rng.random() < 0.5, zero_copy=rng.random() < 0.3,
-            routing=rng.choice(["random", "skewed", "one_expert"]), calls=2)
-        _check(gpu_pool, case, _split(gpu_pool))
+            routing=rng.choice(["random", "skewed", "one_expert"]), calls=2))
+    _check(gpu_pool, batch, _split(gpu_pool))
 
 
 @pytest.mark.gpu(min_gpus=1)
@@ -178,17 +189,43 @@ def test_gpu_stalled_peer_names_rank_and_phase(gpu_pool) -> None:
 
 
 # ---------------------------------------------------------------------- GPUs, default transport
-def on_transport(group, ranks_per_node: int, allow_nvlink: bool, function_name: str, *args) -> tuple[object, list]:
-    """On every rank: ``low_latency_cases.<function_name>(group, *args)`` on the transport the
-    internode backend picks by default (NVSHMEM with one GPU per rank), the group split into nodes
-    of ``ranks_per_node``; returns its result and the transports of the Buffers it used."""
+def use_transport(ranks_per_node: int, allow_nvlink: bool) -> str:
+    """In a rank: the next ``low_latency_cases`` Buffers on the transport the internode backend
+    picks by default (NVSHMEM with one GPU per rank), the group split into nodes of
+    ``ranks_per_node``, kept per setting. Returns the setting's name."""
     os.environ[GPUS_PER_NODE_VARIABLE] = str(ranks_per_node)
     os.environ.pop("TRITONEP_TRANSPORT", None)
     cases._state = _kept_buffers.setdefault((ranks_per_node, allow_nvlink), {})
     cases.buffer_options = {"allow_nvlink_for_low_latency_mode": allow_nvlink}
-    result = getattr(cases, function_name)(group, *args)
-    transports = sorted({buffer.backend.heap.name for key, buffer in cases._state.items() if key.endswith(" nvlink")})
-    return result, transports
+    return f"{ranks_per_node} per node, nvlink {allow_nvlink}"
+
+
+def _transports(ranks_per_node: int, allow_nvlink: bool) -> list[str]:
+    """The transports of the Buffers kept for a setting, in this rank."""
+    kept = _kept_buffers.get((ranks_per_node, allow_nvlink), {})
+    return sorted({buffer.backend.heap.name for key, buffer in kept.items() if key.endswith(" nvlink")})
+
+
+def on_transport(group, ranks_per_node: int, allow_nvlink: bool, function_name: str, *args) -> tuple[object, list]:
+    """On every rank: ``low_latency_cases.<function_name>(group, *args)`` after ``use_transport``;
+    returns its result and the transports of the Buffers it used."""
+    use_transport(ranks_per_node, allow_nvlink)
+    return getattr(cases, function_name)(group, *args), _transports(ranks_per_node, allow_nvlink)
+
+
+def compare_on_transports(group, batch: list[LowLatencyCase],
+                          settings: list[tuple[int, bool]]) -> tuple[list[list[str]], list[dict]]:
+    """On every rank: each case at each setting (``use_transport``) against one oracle
+    (``low_latency_cases.compare_low_latency_cases``); Buffers on another transport than the one
+    expected (NVSHMEM with one GPU per rank, plain stores for ranks sharing GPUs) fail every case."""
+    import torch
+
+    problems, times = cases.compare_low_latency_cases(
+        group, batch, settings=[functools.partial(use_transport, *setting) for setting in settings])
+    expected = ["stores"] if group.size() > torch.cuda.device_count() else ["nvshmem"]
+    wrong = [f"{setting}: Buffers on {_transports(*setting)}, expected {expected}" for setting in settings
+             if _transports(*setting) != expected]
+    return [case_problems + wrong for case_problems in problems], times
 
 
 def _gpu_splits(num_ranks: int) -> list[int]:
@@ -236,12 +273,8 @@ def test_gpu_transport_matches_cpu_backend(transport_pool) -> None:
     """The decode shape (fp8 and bf16, hooks, zero-copy with ``out``, UE8M0, skewed routing,
     ranks without tokens, masks changed between a dispatch and its combine) on NVSHMEM at every
     split of the machine's ranks, and with every peer over NVSHMEM."""
-    R = transport_pool.num_ranks
-    for ranks_per_node, allow_nvlink in _transport_settings(transport_pool):
-        for case in _transport_cases(R):
-            problems = _on_transport(transport_pool, ranks_per_node, allow_nvlink, "compare_low_latency", case)
-            assert all(not p for p in problems), f"{case} at {ranks_per_node} per node, nvlink {allow_nvlink}: " \
-                                                 f"{problems}"
+    check_batch(transport_pool, compare_on_transports, _transport_cases(transport_pool.num_ranks),
+                _transport_settings(transport_pool))
 
 
 @pytest.mark.gpu(min_gpus=2)
@@ -272,18 +305,17 @@ def test_gpu_transport_race_loop(transport_pool) -> None:
 
     rng = random.Random(8)
     R = transport_pool.num_ranks
-    for ranks_per_node, allow_nvlink in _transport_settings(transport_pool):
+    for setting in _transport_settings(transport_pool):
+        batch = []
         for i in range(20):
             T = rng.choice([1, 16, 128])
             use_fp8 = rng.random() < 0.6
-            case = LowLatencyCase(
+            batch.append(LowLatencyCase(
                 seed=700 + i, tokens=tuple(rng.randint(0, T) for _ in range(R)), T=T, hidden=7168,
                 num_experts=R * 8, num_topk=8, use_fp8=use_fp8, round_scale=use_fp8 and rng.random() < 0.5,
                 hook=rng.random() < 0.5, zero_copy=rng.random() < 0.3,
-                routing=rng.choice(["random", "skewed", "one_expert"]), calls=2)
-            problems = _on_transport(transport_pool, ranks_per_node, allow_nvlink, "compare_low_latency", case)
-            assert all(not p for p in problems), f"{case} at {ranks_per_node} per node, nvlink {allow_nvlink}: " \
-                                                 f"{problems}"
+                routing=rng.choice(["random", "skewed", "one_expert"]), calls=2))
+        check_batch(transport_pool, compare_on_transports, batch, [setting])
 
 
 @pytest.mark.gpu(min_gpus=1)

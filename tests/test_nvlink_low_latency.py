@@ -286,20 +286,29 @@ def test_gpu_masked_cuda_graph_replay(gpu_pool) -> None:
     assert all(not p for p in problems), problems
 
 
-@pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("kill", [True, False], ids=["killed", "stalled"])
-def test_gpu_dead_rank_masked_by_survivors(gpu_pool, kill: bool) -> None:
-    """Shrink mode, issue 11: the last rank is killed (or stalls) after one round, at DeepEP's
-    decode shape; the survivors mask it on their own within the time-out (2 s) and match the
-    CPU backend. At least 3 ranks (ranks share GPUs where there are fewer), in a pool of its own,
-    beside the module's pool, whose Buffers are released first (8 ranks sharing one H100 ran out
-    of memory at the new pool's start, 2026-11-25)."""
+@pytest.fixture(scope="module")
+def dead_rank_pool(gpu_pool):
+    """At least 3 ranks (ranks share GPUs where there are fewer), in a pool of their own beside
+    the module's pool, whose Buffers are released first (8 ranks sharing one H100 ran out of
+    memory at the new pool's start, 2026-11-25). Both dead-rank tests share it: the stalled
+    rank's test leaves every process in step, and the killed rank's runs last."""
+    from gpu_pools import own_gpu_pool
+
     gpu_pool.run(release_buffers)
-    R = max(gpu_ranks(), 3)
+    with own_gpu_pool(max(gpu_ranks(), 3), "the dead-rank tests' GPU ranks") as pool:
+        yield pool
+
+
+@pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("kill", [False, True], ids=["stalled", "killed"])   # the pool's last run kills
+def test_gpu_dead_rank_masked_by_survivors(dead_rank_pool, kill: bool) -> None:
+    """Shrink mode, issue 11: the last rank stalls (or is killed) after one round, at DeepEP's
+    decode shape; the survivors mask it on their own within the time-out (2 s) and match the
+    CPU backend."""
+    R = dead_rank_pool.num_ranks
     case = LowLatencyCase(seed=81, tokens=(128,) * R, T=128, hidden=7168,
                           num_experts=_decode_experts(R), num_topk=8, calls=4)
-    with RankPool(R, use_gpu=True, timeout=600, **pool_options(use_gpu=True)) as pool:
-        problems = pool.run(survivors_mask_dead_rank, case, R - 1, kill, 2.0, may_exit={R - 1})
+    problems = dead_rank_pool.run(survivors_mask_dead_rank, case, R - 1, kill, 2.0, may_exit={R - 1})
     assert problems[R - 1] is None and all(not p for p in problems[:R - 1]), problems
 
 
