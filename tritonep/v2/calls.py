@@ -168,7 +168,10 @@ def replayed_dispatch(handle: EPHandle, x: torch.Tensor, scales: torch.Tensor | 
     if replayed is None:
         return None
     recv_x, recv_scales = replayed if scales is not None else (replayed, None)
-    return _cached_outputs(handle, recv_x, recv_scales, None, handle.do_expand, do_zero_padding, col_major_sf)
+    if handle.do_expand or (col_major_sf and recv_scales is not None):
+        return _cached_outputs(handle, recv_x, recv_scales, None, handle.do_expand, do_zero_padding, col_major_sf)
+    # The usual repeat (every layer's backward): what _cached_outputs gives, without its calls.
+    return Received(recv_x, recv_scales, state.recv_topk_idx, None, handle)
 
 
 def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:

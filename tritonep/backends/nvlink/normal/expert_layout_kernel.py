@@ -304,6 +304,7 @@ class ExpertLayouts:
     def __init__(self, rank: int, num_ranks: int, placeholders: Placeholders) -> None:
         self.rank, self.num_ranks = rank, num_ranks
         self._no_stats, self._no_copy = placeholders(torch.int32), placeholders(torch.int64)
+        self._device = self._no_stats.device   # (reading a tensor's device makes an object per call)
         self._shapes: dict[tuple, _LayoutShape] = {}
         self._learnt: dict[tuple, list] = {}   # setup -> [compiled launch, its raw argument list]
 
@@ -321,30 +322,28 @@ class ExpertLayouts:
         Returns:
             the ExpertLayout, its tensors filled in stream order (nothing waits for them).
         """
-        recv_idx, topk_idx, stats = request.recv_topk_idx, request.topk_idx, request.stats
+        recv_idx, topk_idx, stats, num_expanded = request.recv_topk_idx, request.topk_idx, request.stats, \
+            request.num_expanded
         num_rows, num_topk = recv_idx.shape
         num_tokens = topk_idx.shape[0]
-        experts_per_rank, num_scaleup = request.experts_per_rank, request.num_scaleup_ranks
-        expand, num_expanded = request.num_expanded is not None, request.num_expanded or 0
-        sizes = LayoutSizes(experts_per_rank, num_scaleup, num_rows, num_topk, num_tokens, request.num_expanded)
-        device = recv_idx.device
-        block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=device)
-        topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) \
+        sizes = LayoutSizes(request.experts_per_rank, request.num_scaleup_ranks, num_rows, num_topk, num_tokens,
+                            num_expanded)
+        block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=self._device)
+        topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=self._device) \
             if request.copy_topk_idx else None
         setup = (launch_generation, self.rank, self.num_ranks, request.num_max_tokens_per_rank, num_topk,
-                 experts_per_rank, num_scaleup, expand)
+                 request.experts_per_rank, request.num_scaleup_ranks, num_expanded is not None)
         # The per-call arguments, in the kernel's order (``_EXPERT_LAYOUT``'s ``changing``).
         changing = (exchange.data_ptr(), send_pos.data_ptr(), request.handle.recv_src_idx.data_ptr(),
                     recv_idx.data_ptr(), request.recv_topk_weights.data_ptr(), topk_idx.data_ptr(),
                     (stats if stats is not None else self._no_stats).data_ptr(), block.data_ptr(),
                     (topk_copy if topk_copy is not None else self._no_copy).data_ptr(),
-                    num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
+                    num_rows, num_tokens, num_expanded or 0, request.expert_alignment, int(stats is not None),
                     int(topk_copy is not None))
         learnt = self._learnt.get(setup)
         if learnt is not None and _repeats(changing):
-            launch, raw = learnt
-            raw[:_CHANGING] = changing
-            launch(current_stream(), raw)
+            learnt[1][:_CHANGING] = changing
+            learnt[0](current_stream(), learnt[1])
         else:
             self._launch(setup, request, exchange, send_pos, block, topk_copy, changing)
         return ExpertLayout(block, sizes, topk_copy if topk_copy is not None else topk_idx)
