@@ -17,7 +17,10 @@ in turn, the median of ``--calls`` calls each:
 * the same without a CPU sync: V2's ``do_cpu_sync=False`` against V1's ``num_worst_tokens``
   (R * T rows), the backend answering with the results of real calls of that kind.
 
-The expert ids' range check, which on GPUs the layout kernel makes on the device, is left out
+``--cold`` times each call with the CPU's caches overwritten before it, as the device bench's fresh
+rows are timed after a synchronize and a barrier: V2's fresh dispatch then costs about twice V1's,
+nearly all of it the expert-layout call (its allocations, its launch's host side), which V1 does
+not make. The expert ids' range check, which on GPUs the layout kernel makes on the device, is left out
 of both (on CPU tensors V1 reads it back twice, V2 once).
 
 On GPUs each torch op of a call is also an allocation or a launch, so a difference here is a
@@ -51,12 +54,23 @@ import tritonep as deep_ep  # noqa: E402
 TOKENS, HIDDEN, EXPERTS, TOPK, NUM_SMS = 12, 256, 8, 3, 4
 
 
-def median_us(call: Callable[[], object], calls: int) -> float:
-    """Median host time of ``call`` in microseconds, one call at a time, after 50 untimed."""
+# ``--cold``: bytes written and seconds slept before each timed call.
+COLD_BYTES, COLD_SLEEP_S = 32 << 20, 0.0003
+
+
+def median_us(call: Callable[[], object], calls: int, cold: bool = False) -> float:
+    """Median host time of ``call`` in microseconds, one call at a time, after 50 untimed.
+    ``cold``: before each call the CPU's caches are overwritten and the thread sleeps, as after
+    the device bench's synchronize and barrier (``timing.idle_host_us``), where the fresh rows'
+    host times are taken: a path's cost then grows with the code and data it touches."""
     for _ in range(50):
         call()
+    scratch = torch.ones(COLD_BYTES, dtype=torch.uint8, device="cpu") if cold else None
     times = []
     for _ in range(calls):
+        if scratch is not None:
+            scratch.add_(1)
+            time.sleep(COLD_SLEEP_S)
         start = time.perf_counter_ns()
         call()
         times.append(time.perf_counter_ns() - start)
@@ -108,7 +122,7 @@ def answering_with_fresh_results(backend: object) -> Callable[[], None]:
     return lambda: (delattr(backend, "get_dispatch_layout"), delattr(backend, "dispatch"))
 
 
-def measure(calls: int) -> dict[str, tuple[float, float, int, Counter[str], Counter[str]]]:
+def measure(calls: int, cold: bool = False) -> dict[str, tuple[float, float, int, Counter[str], Counter[str]]]:
     """Per call: (V1 us, V2 us, V2's launches beyond V1's, V2's torch ops beyond V1's, V1's beyond V2's)."""
     from recorded_launches import RecordedLaunch, launches_faked
 
@@ -160,7 +174,7 @@ def measure(calls: int) -> dict[str, tuple[float, float, int, Counter[str], Coun
             for name, (v1_call, v2_call) in pairs.items():
                 v1_call(), v2_call()   # the general paths learn what the repeats replay
                 RecordedLaunch.log = []
-                v1_us, v2_us = median_us(v1_call, calls), median_us(v2_call, calls)
+                v1_us, v2_us = median_us(v1_call, calls, cold), median_us(v2_call, calls, cold)
                 (v1_ops, v1_launches), (v2_ops, v2_launches) = work_of(v1_call), work_of(v2_call)
                 rows[name] = (v1_us, v2_us, v2_launches - v1_launches, v2_ops - v1_ops, v1_ops - v2_ops)
     finally:
@@ -174,15 +188,17 @@ def measure(calls: int) -> dict[str, tuple[float, float, int, Counter[str], Coun
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.v2_host", description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=5000, help="timed calls per figure")
+    parser.add_argument("--cold", action="store_true", help="caches overwritten and a sleep before each call "
+                                                            "(as the device bench's fresh rows)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:   # the store deletes its file when done
         dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", 1), rank=0, world_size=1)
         try:
-            rows = measure(args.calls)
+            rows = measure(args.calls, args.cold)
         finally:
             dist.destroy_process_group()
-    print(f"host us per call, one CPU rank, launches faked, median of {args.calls} ({TOKENS} tokens, hidden "
-          f"{HIDDEN}, top-{TOPK} of {EXPERTS} experts)")
+    print(f"host us per call{', cold caches' if args.cold else ''}, one CPU rank, launches faked, median of "
+          f"{args.calls} ({TOKENS} tokens, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts)")
     print(f"{'call':<26}{'v1':>8}{'v2':>8}{'v2 - v1':>9}   launches and torch ops V2 runs beyond V1 (V1 beyond V2)")
     for name, (v1_us, v2_us, extra_launches, v2_only, v1_only) in rows.items():
         print(f"{name:<26}{v1_us:>8.1f}{v2_us:>8.1f}{v2_us - v1_us:>9.1f}   {extra_launches:+d} launches, "

@@ -2,8 +2,8 @@
 field of ``core.expert_layout.expert_layout``, the plain-torch definition the collective backend
 uses, bit for bit: random, skewed, empty, all-to-one and no-expert routings, an expert twice in a
 token's top-k, expert_alignment 1/16/128, expanded and not, exact rows (CPU sync) and worst-case
-rows with padding (no CPU sync), sources grouped by scale-up rank, with and without the stats and
-the copy of topk_idx.
+rows with padding (no CPU sync: the kernel also writes the padding rows' empty values), sources
+grouped by scale-up rank, with and without the stats and the copy of topk_idx.
 
 The kernel reads what a fresh dispatch leaves (the count exchange's result words, the send
 plan's positions, the received rows), which this test builds for one rank of a world by loops
@@ -153,6 +153,14 @@ def case_problems(case: int, shape: tuple[int, int, int, int, int], routing: str
                                         expected_stats), rank)
     on = {name: value.to(device) for name, value in world.items() if isinstance(value, torch.Tensor)}
     got_stats = None if stats is None else stats.to(device)
+    # Worst-case rows: V2's dispatch leaves the padding rows unwritten (DispatchRequest.pad_outputs)
+    # and the kernel writes their empty values: it is given garbage there.
+    received = int(world["prefix"][-1, rank])
+    padded = {} if exact_rows else {name: (world[name], garbage) for name, garbage in (
+        ("recv_src", 7), ("recv_idx", 3), ("weights", 0.5))}
+    for name, (_, garbage) in padded.items():
+        on[name] = on[name].clone()
+        on[name][received:] = garbage
     problems = []
     # One engine's layouts: on GPUs the calls after the first repeat the launch it learnt.
     kernel_layout = ExpertLayouts(rank, num_ranks, Placeholders(device))
@@ -167,6 +175,9 @@ def case_problems(case: int, shape: tuple[int, int, int, int, int], routing: str
             a, b = getattr(got, name), getattr(expected, name)
             if (a is None) != (b is None) or (a is not None and not (a.dtype == b.dtype and torch.equal(a.cpu(), b))):
                 problems.append(f"{where}: {name} {a} != {b}")
+        for name, (empty, _) in padded.items():
+            if not torch.equal(on[name].cpu(), empty):
+                problems.append(f"{where}: {name} {on[name]} != {empty} (padding rows: empty values)")
         if (got.topk_idx is on["topk_idx"]) == copy:
             problems.append(f"{where}: topk_idx copied {got.topk_idx is not on['topk_idx']}, asked {copy}")
     if stats is not None:   # the kernel added its counts once per call

@@ -37,6 +37,11 @@ class DispatchRequest:
     # V2's T (0: not given, as from V1): every rank sends at most T tokens and the backends
     # compare T across ranks like the hidden size, so num_worst_tokens = R * T always suffices.
     num_max_tokens_per_rank: int = 0
+    # With num_worst_tokens, False: the caller has ``expert_layout`` queued next on the same
+    # stream (V2's fresh dispatch), so a backend whose expert layout writes the padding rows' empty
+    # values (source -1, expert -1, weight 0) may leave them unwritten: that launch instead of
+    # three fills.
+    pad_outputs: bool = True
 
     def padding_is_guaranteed(self, num_ranks: int) -> bool:
         """Whether num_worst_tokens holds every row that can arrive, so that no later call needs
@@ -202,7 +207,9 @@ class Backend(abc.ABC):
     def expert_layout(self, request: ExpertLayoutRequest) -> ExpertLayout:
         """Where the rows of a fresh dispatch (``request.handle``, made by this backend) sit by
         expert, source and destination: DeepEP V2's handle fields, as ``core/expert_layout.py``
-        defines them. Queued after the dispatch on the current stream, with no host sync."""
+        defines them. Queued after the dispatch on the current stream, with no host sync. A
+        backend whose dispatch honours ``DispatchRequest.pad_outputs=False`` writes the padding
+        rows' empty values of that dispatch's outputs here."""
 
     # ---- low-latency mode ----------------------------------------------------------------
     @abc.abstractmethod

@@ -100,16 +100,17 @@ def _col_major(scales: torch.Tensor | None, enabled: bool) -> torch.Tensor | Non
 
 
 def _engine_dispatch(engine: Engine, call: DispatchCall, weights: torch.Tensor, num_worst_tokens: int,
-                     num_sms: int) -> DispatchResult:
+                     num_sms: int, pad_outputs: bool = True) -> DispatchResult:
     """A fresh engine dispatch of ``call.topk_idx`` (layout, then dispatch). The engine learns T,
-    which it compares across ranks, so that padding to R x T needs no later check."""
+    which it compares across ranks, so that padding to R x T needs no later check.
+    ``pad_outputs``: as ``DispatchRequest``'s (False only with ``expert_layout`` to follow)."""
     backend = engine.backend
     per_rank, per_expert, in_rank = backend.get_dispatch_layout(call.topk_idx, call.num_experts)
     return backend.dispatch(DispatchRequest(
         x=call.x, x_scales=call.scales, topk_idx=call.topk_idx, topk_weights=weights, is_token_in_rank=in_rank,
         num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, num_experts=call.num_experts,
         expert_alignment=call.expert_alignment, num_worst_tokens=num_worst_tokens, cached_handle=None,
-        config=engine.config(num_sms), num_max_tokens_per_rank=call.num_max_tokens_per_rank))
+        config=engine.config(num_sms), num_max_tokens_per_rank=call.num_max_tokens_per_rank, pad_outputs=pad_outputs))
 
 
 def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
@@ -121,7 +122,10 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
     # The engines move top-k weights with top-k ids; V2 lets a dispatch go without weights.
     weights = call.topk_weights if call.topk_weights is not None else \
         torch.zeros(num_tokens, num_topk, dtype=torch.float32, device=call.x.device)
-    result = _engine_dispatch(engine, call, weights, 0 if call.do_cpu_sync else R * T, options.num_sms)
+    # Without a CPU sync the outputs are padded to R * T rows: the expert layout below writes
+    # the padding's empty values (``DispatchRequest.pad_outputs``).
+    result = _engine_dispatch(engine, call, weights, 0 if call.do_cpu_sync else R * T, options.num_sms,
+                              pad_outputs=False)
     wait_for(options.before_epilogue)
     engine_handle, recv_idx, recv_weights = result.handle, result.recv_topk_idx, result.recv_topk_weights
     assert recv_idx is not None and recv_weights is not None
@@ -164,7 +168,10 @@ def replayed_dispatch(handle: EPHandle, x: torch.Tensor, scales: torch.Tensor | 
     if replayed is None:
         return None
     recv_x, recv_scales = replayed if scales is not None else (replayed, None)
-    return _cached_outputs(handle, recv_x, recv_scales, None, handle.do_expand, do_zero_padding, col_major_sf)
+    if handle.do_expand or (col_major_sf and recv_scales is not None):
+        return _cached_outputs(handle, recv_x, recv_scales, None, handle.do_expand, do_zero_padding, col_major_sf)
+    # The usual repeat (every layer's backward): what _cached_outputs gives, without its calls.
+    return Received(recv_x, recv_scales, state.recv_topk_idx, None, handle)
 
 
 def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from tritonep.core import event as core_event
 
 
@@ -26,10 +24,10 @@ class EventOverlap(core_event.EventOverlap):
         extra_tensors: tensors kept alive until the event is waited on.
     """
 
-    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors: tuple | None = None) -> None:
-        super().__init__(event, extra_tensors)
-        self.hook_after_wait: Callable[[], None] | None = None
-        self._release_on_exit = False
+    # Class-level defaults, set on an instance only when used: every call returns an event, and
+    # the base class's constructor alone is one Python frame fewer per call.
+    hook_after_wait: Callable[[], None] | None = None
+    _release_on_exit = False
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
         """Make the current stream wait for the event, then run the registered hook (once).

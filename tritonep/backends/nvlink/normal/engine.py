@@ -214,7 +214,8 @@ class NormalEngine:
 
         def receive(rows: int, guard_word: int = 0, roles: str = "receive") -> tuple[torch.Tensor, ...]:
             nonlocal launched
-            outputs = dispatch_outputs(x, scales, shape, has_topk, rows, request.num_worst_tokens > 0, self.device,
+            pad = request.num_worst_tokens > 0 and request.pad_outputs
+            outputs = dispatch_outputs(x, scales, shape, has_topk, rows, pad, self.device,
                                        self._cached_recv_src(plan, rows) if handle is not None else None)
             output_args = (outputs[0].view(torch.int32),
                            outputs[1].view(torch.int32) if scales is not None else outputs[4],

@@ -10,7 +10,8 @@ elements and none waiting for another:
 - program 0: the per-expert vectors (counts, their prefix sums, the caller's running stats) and
   the prefix sums per scale-up rank;
 - row programs, a block of received rows each: the source metadata (and, expanded, -1 for the
-  slots whose expert lives elsewhere);
+  slots whose expert lives elsewhere); on the padding rows of worst-case outputs also the
+  dispatch's own empty values, which it leaves to this launch (``DispatchRequest.pad_outputs``);
 - token programs, a block of this rank's tokens each: the row each (token, k) lands on at its
   expert's rank, and the copy of ``topk_idx``;
 - slot programs (expanded layout only), one per (source rank, group of local experts): they walk
@@ -89,23 +90,30 @@ def _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_s
 
 
 @triton.jit
-def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr, slots_ptr, num_rows,
-                rank, num_max_tokens, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
-                TOPK_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, EXPAND: tl.constexpr):
+def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, recv_weights_ptr, metadata_ptr,
+                slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
+                NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr, EXPAND: tl.constexpr):
     sources = tl.arange(0, RANKS_PAD)
     source_mask = sources < NUM_RANKS
     source_ends = tl.load(exchange_ptr + sources * NUM_RANKS + rank, mask=source_mask, other=0)
+    received = tl.max(source_ends, axis=0)   # the last block's end: rows past it are padding
     ks = tl.arange(0, TOPK_PAD)
     for r0 in range(program * BLOCK_ROWS, num_rows, row_programs * BLOCK_ROWS):
         rows = r0 + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < num_rows
-        src_token = tl.load(recv_src_ptr + rows, mask=row_mask, other=-1)
-        real = src_token >= 0   # padding rows have source -1
-        # Blocks come by source rank: the row's source is the number of blocks that end at or before it.
-        src_rank = tl.sum(((source_ends[None, :] <= rows[:, None]) & source_mask[None, :]).to(tl.int32), axis=1)
+        real = rows < received
         pair_mask = row_mask[:, None] & (ks < NUM_TOPK)[None, :]
         pairs = rows.to(tl.int64)[:, None] * NUM_TOPK + ks[None, :]
-        ids = tl.load(recv_idx_ptr + pairs, mask=pair_mask, other=-1)
+        # The dispatch left the padding rows unwritten (``DispatchRequest.pad_outputs``): they
+        # get their empty values here (source -1, expert -1, weight 0).
+        padding = row_mask & ~real
+        tl.store(recv_src_ptr + rows, -1, mask=padding)
+        tl.store(recv_idx_ptr + pairs, -1, mask=padding[:, None] & pair_mask)
+        tl.store(recv_weights_ptr + pairs, 0.0, mask=padding[:, None] & pair_mask)
+        src_token = tl.load(recv_src_ptr + rows, mask=row_mask & real, other=-1)
+        # Blocks come by source rank: the row's source is the number of blocks that end at or before it.
+        src_rank = tl.sum(((source_ends[None, :] <= rows[:, None]) & source_mask[None, :]).to(tl.int32), axis=1)
+        ids = tl.load(recv_idx_ptr + pairs, mask=pair_mask & real[:, None], other=-1)
         elsewhere = ids < 0
         # The first k whose expert is local (0 if none, as argmax gives).
         first_k = tl.min(tl.where(elsewhere, TOPK_PAD, ks[None, :]), axis=1)
@@ -228,8 +236,9 @@ def expert_layout_kernel(
                         experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
                         EXPAND)
     elif program <= row_programs:
-        _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, metadata_ptr, slots_ptr,
-                    num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK, TOPK_PAD, BLOCK_ROWS, EXPAND)
+        _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, recv_weights_ptr,
+                    metadata_ptr, slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK, TOPK_PAD,
+                    BLOCK_ROWS, EXPAND)
     elif program <= row_programs + token_programs:
         _token_fields(program - 1 - row_programs, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr,
                       topk_copy_ptr, copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
@@ -295,6 +304,7 @@ class ExpertLayouts:
     def __init__(self, rank: int, num_ranks: int, placeholders: Placeholders) -> None:
         self.rank, self.num_ranks = rank, num_ranks
         self._no_stats, self._no_copy = placeholders(torch.int32), placeholders(torch.int64)
+        self._device = self._no_stats.device   # (reading a tensor's device makes an object per call)
         self._shapes: dict[tuple, _LayoutShape] = {}
         self._learnt: dict[tuple, list] = {}   # setup -> [compiled launch, its raw argument list]
 
@@ -312,30 +322,28 @@ class ExpertLayouts:
         Returns:
             the ExpertLayout, its tensors filled in stream order (nothing waits for them).
         """
-        recv_idx, topk_idx, stats = request.recv_topk_idx, request.topk_idx, request.stats
+        recv_idx, topk_idx, stats, num_expanded = request.recv_topk_idx, request.topk_idx, request.stats, \
+            request.num_expanded
         num_rows, num_topk = recv_idx.shape
         num_tokens = topk_idx.shape[0]
-        experts_per_rank, num_scaleup = request.experts_per_rank, request.num_scaleup_ranks
-        expand, num_expanded = request.num_expanded is not None, request.num_expanded or 0
-        sizes = LayoutSizes(experts_per_rank, num_scaleup, num_rows, num_topk, num_tokens, request.num_expanded)
-        device = recv_idx.device
-        block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=device)
-        topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) \
+        sizes = LayoutSizes(request.experts_per_rank, request.num_scaleup_ranks, num_rows, num_topk, num_tokens,
+                            num_expanded)
+        block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=self._device)
+        topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=self._device) \
             if request.copy_topk_idx else None
         setup = (launch_generation, self.rank, self.num_ranks, request.num_max_tokens_per_rank, num_topk,
-                 experts_per_rank, num_scaleup, expand)
+                 request.experts_per_rank, request.num_scaleup_ranks, num_expanded is not None)
         # The per-call arguments, in the kernel's order (``_EXPERT_LAYOUT``'s ``changing``).
         changing = (exchange.data_ptr(), send_pos.data_ptr(), request.handle.recv_src_idx.data_ptr(),
                     recv_idx.data_ptr(), request.recv_topk_weights.data_ptr(), topk_idx.data_ptr(),
                     (stats if stats is not None else self._no_stats).data_ptr(), block.data_ptr(),
                     (topk_copy if topk_copy is not None else self._no_copy).data_ptr(),
-                    num_rows, num_tokens, num_expanded, request.expert_alignment, int(stats is not None),
+                    num_rows, num_tokens, num_expanded or 0, request.expert_alignment, int(stats is not None),
                     int(topk_copy is not None))
         learnt = self._learnt.get(setup)
         if learnt is not None and _repeats(changing):
-            launch, raw = learnt
-            raw[:_CHANGING] = changing
-            launch(current_stream(), raw)
+            learnt[1][:_CHANGING] = changing
+            learnt[0](current_stream(), learnt[1])
         else:
             self._launch(setup, request, exchange, send_pos, block, topk_copy, changing)
         return ExpertLayout(block, sizes, topk_copy if topk_copy is not None else topk_idx)
