@@ -40,8 +40,8 @@ class Tuning:
     combine_pieces: int = 0
     combine_piece_ratio: float = 0.6
     # The copy engines' work (those pieces, and the copy-engine dispatch receive below) through
-    # the CUDA driver when cuda-bindings is installed: a copy and a stream write per piece or
-    # source; False: torch's copies and a signal kernel.
+    # the CUDA driver when cuda-bindings is installed: a copy and a stream write per piece, a copy
+    # per range of the receive; False: torch's copies (and the pieces' signal kernel).
     copy_driver: bool = True
     # Fresh dispatch: launch the send half before the host reads the counts back (False: after,
     # as one would without the overlap; for A/B runs).

@@ -79,13 +79,6 @@ def combine_piece_signal_kernel(peer_base_ptrs, peer, tail_index, value):
 _SIGNAL = FastLauncher(combine_piece_signal_kernel, changing=("peer", "tail_index", "value"))
 
 
-def set_peer_word(owner: object, peer_base_ptrs: torch.Tensor, peer: int, word: int, value: int) -> None:
-    """On the current stream, after the copies before it: ``peer``'s signal word ``word`` set to
-    ``value`` (a release store), by the one-program kernel. ``owner``: a key that stands for
-    ``peer_base_ptrs`` (equal keys, equal tensors)."""
-    _SIGNAL(1, owner, (peer_base_ptrs, peer, word, value), {}, 1)
-
-
 @kernel_names.jit("tritonep::intranode::send_weights",
                   do_not_specialize=["rank"])
 def combine_weights_kernel(weights_ptr, prefix_ptr, peer_base_ptrs, staging_weights, rank,
@@ -310,7 +303,7 @@ def _torch_piece(driver: Any, x: torch.Tensor, peers: list[torch.Tensor], peer_b
     def move(stream: int, peer: int, src_row: int, dst_row: int, rows: int, so_far: int) -> None:
         peers[peer].narrow(0, staging_x + dst_row * row_bytes, rows * row_bytes).copy_(
             x_bytes.narrow(0, src_row * row_bytes, rows * row_bytes), non_blocking=True)
-        set_peer_word(owner, peer_base_ptrs, peer, tail_index, so_far)
+        _SIGNAL(1, owner, (peer_base_ptrs, peer, tail_index, so_far), {}, 1)
     return move
 
 

@@ -256,11 +256,11 @@ class NormalEngine:
             outputs = receive(num_out_rows, roles="copy")
             if plan.combine_copies is None:
                 plan.combine_copies = combine_copies(plan.counts, self.rank)
-            receivers = COPY_RECEIVERS
+            receivers, ranges = COPY_RECEIVERS, staged_ranges(plan.combine_copies)
             # Rows, then the fields the call returns (a cached dispatch's source indices are the
             # handle's: never copied).
             regions = [(offset, out) for offset, out in zip(shape.staging[2:6], outputs[:4]) if out is not None]
-            self.dispatch_copier.receive(start, shape.copy_programs, staged_ranges(plan.combine_copies), regions)
+            self.dispatch_copier.receive(start, shape.copy_programs, ranges, regions)
         else:
             # The counts are on the GPU already (a cached dispatch, or num_worst_tokens): one
             # launch runs both halves.
@@ -270,8 +270,8 @@ class NormalEngine:
         replay = None
         # The next such call may replay these launches (and the copy-engine receive's side work).
         if handle is not None and request.num_worst_tokens == 0:
-            side = CopyReceive(self.dispatch_copier, staged_ranges(plan.combine_copies), shape.staging[2],
-                               shape.staging[3], shape.copy_programs) if copy_receive else None
+            side = CopyReceive(self.dispatch_copier, ranges, shape.staging[2], shape.staging[3],
+                               shape.copy_programs) if copy_receive else None
             replay = CachedDispatchReplay.learn(
                 state, x, scales, launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
                 receivers, state.dispatch_epoch, state.dispatch_released - receivers, release_due, side)

@@ -11,9 +11,9 @@ key, ``core/replay.py``). The engine makes it after a general call (``learn``) f
 compiled launches that call made (``launcher._Setup``): private copies of their raw argument
 lists, in which a replay writes only what changes per call (the inputs, the new outputs, the
 epoch, the staging-release target and the releases owed), after checking that the inputs still
-fit what the launches were compiled for (dtype, shape, strides, device, 16-byte alignment). ``learn`` first
-checks that the lists hold this call's values at those places, so the two paths cannot drift
-apart unnoticed. Anything else (a time-out report, an unchecked ``num_worst_tokens`` dispatch
+fit what the launches were compiled for (dtype, shape, strides, device, 16-byte alignment).
+``learn`` first checks that the lists hold this call's values at those places, so the two paths
+cannot drift apart unnoticed. Anything else (a time-out report, an unchecked ``num_worst_tokens`` dispatch
 before, other kernel shapes) returns None and the caller takes the general path, which raises
 where it must.
 
