@@ -38,7 +38,8 @@ def copy_engine_dispatch_batch(group: dist.ProcessGroup, cases: list[Case], nvl_
     other changes), then its counters once the GPUs are idle (reported with the last case): the
     staging releases as above, and every peer's arrived word for this rank at the senders the
     host counted (``dispatch_arrived``, the same on every rank), which must have grown (with 2+
-    ranks: one rank sends nothing and takes the usual path)."""
+    ranks: one rank sends nothing and takes the usual path), and the count this rank's arrival
+    waits keep on the GPU (``dispatch_counted``) at it too."""
     nvlink, _ = shared_buffers(group, nvl_bytes)
     state = nvlink.backend.normal.state
     arrived_before = state.dispatch_arrived
@@ -46,10 +47,13 @@ def copy_engine_dispatch_batch(group: dist.ProcessGroup, cases: list[Case], nvl_
     counters = []
     if not staging_released_exactly(group, nvlink):
         counters.append(f"done words differ from the {state.dispatch_released} receivers counted")
-    first = nvlink.backend.memory.signals.dispatch_arrived
-    arrived = nvlink.backend.memory.signal_words()[first: first + group.size()].tolist()
+    signals, words = nvlink.backend.memory.signals, nvlink.backend.memory.signal_words()
+    arrived = words[signals.dispatch_arrived: signals.dispatch_arrived + group.size()].tolist()
     if any(count != state.dispatch_arrived for peer, count in enumerate(arrived) if peer != group.rank()):
         counters.append(f"arrived words {arrived}, expected {state.dispatch_arrived} from each peer")
+    counted = int(words[signals.dispatch_counted])
+    if group.size() > 1 and counted != state.dispatch_arrived:
+        counters.append(f"the arrival waits counted {counted} senders, the host {state.dispatch_arrived}")
     if group.size() > 1 and state.dispatch_arrived == arrived_before:
         counters.append("no cached dispatch took the copy-engine receive")
     problems[-1] = problems[-1] + counters

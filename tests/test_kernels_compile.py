@@ -135,9 +135,10 @@ def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, 
 
 def test_arrival_wait_kernel_compiles() -> None:
     kernel = compile_for_hopper(arrival_wait_kernel,
-                                dict(peer_base_ptrs=I64, rank=1, first_word=1300, target=96, status_ptr=I64,
-                                     timeout_ns=60 * 10**9), dict(NUM_RANKS=4))
-    assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]
+                                dict(peer_base_ptrs=I64, rank=1, first_word=1300, counted_word=1304, senders=24,
+                                     status_ptr=I64, timeout_ns=60 * 10**9), dict(NUM_RANKS=4))
+    ptx = kernel.asm["ptx"]
+    assert "ld.acquire.sys.global.b64" in ptx and "st.global.b64" in ptx
 
 
 # (senders, ranks): SM senders, or none (the rows come from the copy engines in pieces);

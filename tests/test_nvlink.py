@@ -15,7 +15,6 @@ import random
 
 import pytest
 from case_batches import check_batch
-from combine_graph_cases import combine_host_calls, graph_combines
 from nvlink_cases import Case, compare_cases
 from nvlink_scenarios import (
     copy_engine_dispatch_batch,
@@ -28,6 +27,7 @@ from nvlink_scenarios import (
     padding_overflow_error,
     staging_overflow_error,
 )
+from side_graph_cases import combine_host_calls, graph_cached_dispatches, graph_combines
 
 from tritonep import nvl_bytes_for
 from tritonep.rank_pool import RankPool
@@ -299,6 +299,27 @@ def test_gpu_combine_graphs_match_cpu_backend(gpu_pool) -> None:
     back, with and without top-k weights, each against the CPU backend."""
     failures = gpu_pool.run(graph_combines)
     assert not any(failures), failures
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_cached_dispatch_graphs(gpu_pool) -> None:
+    """Cached dispatches received on the copy engines whose side work is a captured graph once
+    their outputs' address repeats, bf16 and fp8, against the CPU backend: with outputs dropped
+    between calls the graph is launched (no copy of the driver's own after the second call),
+    with outputs kept alive the calls copy op by op."""
+    if gpu_pool.num_ranks < 2:
+        pytest.skip("one rank receives no rows over the copy engines")
+    for result in gpu_pool.run(graph_cached_dispatches):
+        assert not result["problems"] and result["capture error"] is None, result
+        for fp8 in (False, True):
+            same, kept = result["calls"][f"same address, fp8 {fp8}"], result["calls"][f"kept alive, fp8 {fp8}"]
+            # Six calls: by the third the address repeats (the first, on the general path, may
+            # allocate elsewhere), so at most the first three copy (the third while it captures),
+            # and from the fourth on each launches the graph and copies nothing itself.
+            assert all(c.count("cuGraphLaunch") == 1 and not any("Memcpy" in n for n in c) for c in same[3:]), result
+            assert any("Memcpy" in n for n in same[0]), result
+            # New addresses from the second call on: copies, no graph.
+            assert all(any("Memcpy" in n for n in c) and "cuGraphLaunch" not in c for c in kept[1:]), result
 
 
 @pytest.mark.gpu(min_gpus=1)

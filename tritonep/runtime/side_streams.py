@@ -24,6 +24,8 @@ raw events made once and the caller's stream read through the launcher's raw loo
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +61,7 @@ class PeerStreams:
         self._branch: torch.cuda.Stream | None = None    # a captured graph's second stream
         self._graph_events: tuple | None = None          # (start, done): raw driver events
         self._graph_forked = False
+        self.capture_error: str | None = None   # why a capture failed: no more graphs then
 
     def _new_event(self) -> Any:
         if self.driver is None:
@@ -109,11 +112,27 @@ class PeerStreams:
                 done.record(stream)
         self._forked = max(self._forked, len(jobs))
 
-    def capture(self, body: Callable[[torch.cuda.Stream], None]) -> Any:
+    @property
+    def captures(self) -> bool:
+        """Whether ``capture`` can make graphs: the driver path on a GPU, and no capture failed."""
+        return self.driver is not None and self.capture_error is None
+
+    def capture(self, body: Callable[[torch.cuda.Stream], None], what: str) -> Any:
         """The work ``body`` issues, captured (not run) as an executable CUDA graph for
         ``fork_graph``. ``body`` runs with the first side stream current, and is handed a second
         stream it may fork to with events (and must join back). Capture is local to this thread:
-        other threads' CUDA calls are not affected."""
+        other threads' CUDA calls are not affected. None if the driver refused the capture: then,
+        with a warning naming ``what``, these streams make no more graphs and the side work goes
+        op by op (same results, more host time)."""
+        try:
+            return self._capture(body)
+        except RuntimeError as error:
+            self.capture_error = str(error)
+            warnings.warn(f"tritonep: {what} could not be captured as a CUDA graph ({error}); it is issued op by "
+                          f"op from now on", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _capture(self, body: Callable[[torch.cuda.Stream], None]) -> Any:
         driver = self.driver
         self._ensure_streams(1)
         if self._branch is None:
@@ -134,17 +153,19 @@ class PeerStreams:
         finally:
             driver_result(driver.cuGraphDestroy(graph), "graph destruction")
 
-    def fork_graph(self, graph: Any) -> None:
+    def fork_graph(self, graph: Any, after: Any = None) -> None:
         """Launch ``graph`` (from ``capture``) on the first side stream, after everything already
-        queued on the current stream: four driver calls."""
+        queued on the current stream (four driver calls), or only after the point ``mark``
+        returned (three)."""
         driver = self.driver
         if self._graph_events is None:
             self._graph_events = (self._new_event(), self._new_event())
         start, done = self._graph_events
         side = self._streams[0].cuda_stream
-        caller = raw_current_stream()
-        driver_result(driver.cuEventRecord(start, caller), "event record")
-        driver_result(driver.cuStreamWaitEvent(side, start, 0), "stream wait")
+        if after is None:
+            driver_result(driver.cuEventRecord(start, raw_current_stream()), "event record")
+            after = start
+        driver_result(driver.cuStreamWaitEvent(side, after, 0), "stream wait")
         driver_result(driver.cuGraphLaunch(graph, side), "graph launch")
         driver_result(driver.cuEventRecord(done, side), "event record")
         self._graph_forked = True
@@ -169,3 +190,39 @@ class PeerStreams:
             caller = raw_current_stream()
             driver_result(self.driver.cuStreamWaitEvent(caller, self._graph_events[1], 0), "stream wait")
             self._graph_forked = False
+
+
+class SideGraphs:
+    """The captured side work of one replayed call, by the addresses it was captured with (the
+    call's inputs or outputs). A graph is captured the second time in a row that a call comes
+    with the same addresses: a training step's calls with one handle mostly come with new
+    tensors, and a capture costs far more than the calls it saves once, while a loop over the
+    same tensors (a benchmark, a layer re-run on blocks the caching allocator hands back) gets
+    the graph from its third call on. At most ``limit`` are kept, the oldest dropped first."""
+
+    __slots__ = ("streams", "limit", "graphs", "last")
+
+    def __init__(self, streams: PeerStreams, limit: int) -> None:
+        self.streams, self.limit = streams, limit
+        self.graphs: dict[tuple, Any] = {}
+        self.last: tuple | None = None
+
+    def get(self, addresses: tuple, capture: Callable[[], Any]) -> Any:
+        """The graph for ``addresses``: known, or made now by ``capture`` (which may return None)
+        when the last call came with the same addresses; else None (issue the work op by op)."""
+        graph = self.graphs.get(addresses)
+        if graph is None and addresses == self.last and self.streams.captures \
+                and not torch.cuda.is_current_stream_capturing():   # (a user's capture takes the ops as they are)
+            if len(self.graphs) == self.limit:
+                self.streams.drop_graph(self.graphs.pop(next(iter(self.graphs))))
+            graph = capture()
+            if graph is not None:
+                self.graphs[addresses] = graph
+        self.last = addresses
+        return graph
+
+    def __del__(self) -> None:
+        # At interpreter exit the driver may be gone before the graphs: nothing left to free then.
+        with contextlib.suppress(Exception):
+            for graph in self.graphs.values():
+                self.streams.drop_graph(graph)

@@ -69,8 +69,12 @@ class SignalLayout:
         return self.combine_copy_finished + 1
 
     @property
-    def notify_payload(self) -> int:       # int32 [2 parities, R sources, payload_words]
+    def dispatch_counted(self) -> int:     # [1]: sender programs this rank's arrival waits counted, ever
         return self.dispatch_arrived + self.num_ranks
+
+    @property
+    def notify_payload(self) -> int:       # int32 [2 parities, R sources, payload_words]
+        return self.dispatch_counted + 1
 
     @property
     def payload_words(self) -> int:        # int32 words: counts per rank, local-expert counts, signature

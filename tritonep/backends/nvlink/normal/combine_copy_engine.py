@@ -50,7 +50,6 @@ peer has not reduced yet.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -161,15 +160,13 @@ class CombineCopier:
     kernel. ``owner``: a key that stands for ``memory``, ``rank`` and ``num_ranks`` in the
     launches' setup keys (the engine's launch generation). ``piece_ratio``: see ``piece_ends``."""
 
-    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner", "piece_ratio", "weights_done",
-                 "capture_error")
+    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner", "piece_ratio", "weights_done")
 
     def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object,
                  piece_ratio: float = 1.0) -> None:
         self.memory, self.rank, self.num_ranks = memory, memory.rank, memory.num_ranks
         self.streams, self.driver, self.owner, self.piece_ratio = streams, driver, owner, piece_ratio
         self.weights_done = torch.cuda.Event() if memory.local.device.type == "cuda" else None
-        self.capture_error: str | None = None   # why a capture failed: no graphs then
 
     def fork(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
              rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> None:
@@ -197,25 +194,17 @@ class CombineCopier:
 
     @property
     def captures(self) -> bool:
-        """Whether ``capture`` can make graphs here (the driver path on a GPU, and no capture
-        failed)."""
-        return self.driver is not None and self.streams.driver is not None and self.capture_error is None
+        """Whether ``capture`` can make graphs here: the driver's copies, on streams that capture."""
+        return self.driver is not None and self.streams.captures
 
     def capture(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
                 rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> Any:
         """``fork``'s side work with these tensors, captured as a graph for
         ``streams.fork_graph`` (nothing runs): the weights kernel on a branch of the side
         stream, beside the first copy; the first tail write waits for it. None if the driver
-        refused the capture (then, with a warning, this copier makes no more graphs and the
-        side work goes op by op: same results, more host time)."""
-        try:
-            return self.streams.capture(self._capture_body(x, topk_weights, copies, rank_prefix_matrix, regions,
-                                                           pieces))
-        except RuntimeError as error:
-            self.capture_error = str(error)
-            warnings.warn(f"tritonep: the combine's copy-engine work could not be captured as a CUDA graph "
-                          f"({error}); it is issued op by op from now on", RuntimeWarning, stacklevel=2)
-            return None
+        refused the capture (``PeerStreams.capture``)."""
+        return self.streams.capture(self._capture_body(x, topk_weights, copies, rank_prefix_matrix, regions, pieces),
+                                    "the combine's copy-engine work")
 
     def _capture_body(self, x: torch.Tensor, topk_weights: torch.Tensor | None,
                       copies: list[tuple[int, int, int, int]], rank_prefix_matrix: torch.Tensor, regions: list[int],

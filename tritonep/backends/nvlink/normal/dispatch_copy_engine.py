@@ -12,6 +12,8 @@ rows), and a side stream receives:
 * one wait until every source's sender programs have all counted themselves in our
   ``dispatch_arrived`` word for it (the cumulative senders of every copy-engine dispatch so
   far: the same on every rank, since every rank makes the same calls with the same num_sms);
+  the wait keeps that running total itself, in our ``dispatch_counted`` word, so that its
+  arguments are the same on every call;
 * the rows of the sources below us, then those of the sources above us (two contiguous ranges
   around our own block, which the senders fill), then the same ranges of each small field the
   call returns (a cached dispatch returns no source indices: the handle has them).
@@ -33,7 +35,10 @@ instead of raising. With cuda-bindings (``driver``) a copy is ``cuMemcpyDtoDAsyn
 torch's ``copy_``.
 
 A repeat of such a call with one handle takes the cached dispatch's replay (``replay.py``),
-which launches the senders and forks this same side work.
+which launches the senders and forks this same side work. Nothing in that work changes from
+one call to the next but the outputs' addresses, so once they repeat (``SideGraphs``) the
+replay forks it as one CUDA graph (``capture``): the copies cost the host most of the side
+work's time, and in a graph they cost a fraction of it.
 """
 
 from __future__ import annotations
@@ -54,21 +59,25 @@ from tritonep.runtime.platform import GPU_KERNELS
 from tritonep.runtime.side_streams import driver_result
 
 
-@kernel_names.jit("tritonep::intranode::arrival_wait", do_not_specialize=["first_word", "target"])
-def arrival_wait_kernel(peer_base_ptrs, rank, first_word, target, status_ptr, timeout_ns, NUM_RANKS: tl.constexpr,
-                        GPU: tl.constexpr):
+@kernel_names.jit("tritonep::intranode::arrival_wait", do_not_specialize=["first_word", "counted_word", "senders"])
+def arrival_wait_kernel(peer_base_ptrs, rank, first_word, counted_word, senders, status_ptr, timeout_ns,
+                        NUM_RANKS: tl.constexpr, GPU: tl.constexpr):
     """Hold the stream until every source's arrived word (this rank's signal word ``first_word``
-    + source) reaches ``target``; a wait that times out goes into the status word, naming the
-    source."""
+    + source) has counted ``senders`` more sender programs than this rank's waits counted so far
+    (its word ``counted_word``), then add them to that count; a wait that times out goes into
+    the status word, naming the source."""
     my_signals = tl.load(peer_base_ptrs + rank).to(tl.pointer_type(tl.int64))
+    # Only this kernel, one program on one stream, reads and writes the count.
+    target = tl.load(my_signals + counted_word) + senders
     for step in range(1, NUM_RANKS):
         source = (rank + step) % NUM_RANKS
-        wait_at_least(my_signals + first_word + source, target.to(tl.int64), status_ptr, timeout_ns,
-                      PHASE_DISPATCH_DATA, source, GPU)
+        wait_at_least(my_signals + first_word + source, target, status_ptr, timeout_ns, PHASE_DISPATCH_DATA, source,
+                      GPU)
+    tl.store(my_signals + counted_word, target)
 
 
-# Per launch only the target changes; the rest is fixed per engine (the caller's ``owner``).
-_WAIT = FastLauncher(arrival_wait_kernel, changing=("target",))
+# Per launch only the senders may change; the rest is fixed per engine (the caller's ``owner``).
+_WAIT = FastLauncher(arrival_wait_kernel, changing=("senders",))
 
 # The receivers a copy-engine dispatch counts per source (one release each).
 RECEIVERS = 1
@@ -105,7 +114,9 @@ class DispatchCopier:
         self.memory, self.state, self.streams, self.driver, self.owner = \
             memory, state, state.peer_streams, driver, owner
         status, timeout_ns = status_args
-        self.wait_args = (memory.peer_base_ptrs, memory.rank, memory.signals.dispatch_arrived, status, timeout_ns)
+        signals = memory.signals
+        self.wait_args = (memory.peer_base_ptrs, memory.rank, signals.dispatch_arrived, signals.dispatch_counted,
+                          status, timeout_ns)
         self.wait_constants = dict(NUM_RANKS=memory.num_ranks, GPU=GPU_KERNELS)
 
     def mark(self) -> Any:
@@ -113,51 +124,57 @@ class DispatchCopier:
         return self.streams.mark()
 
     def receive(self, start: Any, senders: int, ranges: list[tuple[int, int]],
-                outputs: list[tuple[int, torch.Tensor]]) -> None:
+                outputs: list[tuple[int, torch.Tensor]], graph: Any = None) -> None:
         """After the launch of ``senders`` sender programs (``start``: what ``mark`` returned
         before it): count them, owe the sources this call's release, and receive on the side
         stream, which the current stream then joins. ``ranges``: the handle's
         ``staged_ranges``; ``outputs``: each region to copy as ``(its staging offset in bytes,
-        its output)``, the rows first (``StagingLayout.dispatch``). Nothing to receive, nothing
-        to wait for: a later wait's count covers this call's senders too."""
+        its output)``, the rows first (``StagingLayout.dispatch``). ``graph``: that side work
+        as ``capture`` made it for these arguments, forked in its place. With nothing to
+        receive the wait still runs: it keeps the count."""
         state = self.state
         state.dispatch_arrived += senders
         state.dispatch_release_due += RECEIVERS
-        if not ranges:
-            return
-        arrived = state.dispatch_arrived
-        self.streams.fork([self._driver_job(ranges, arrived, outputs) if self.driver is not None else
-                           self._torch_job(ranges, arrived, outputs)], after=start)
+        if graph is not None:
+            self.streams.fork_graph(graph, after=start)
+        else:
+            self.streams.fork([self._job(senders, ranges, outputs)], after=start)
         self.streams.join()
 
-    def _wait(self, arrived: int) -> None:
-        peer_base_ptrs, rank, first_word, status, timeout_ns = self.wait_args
-        _WAIT(1, self.owner, (peer_base_ptrs, rank, first_word, arrived, status, timeout_ns), self.wait_constants, 1)
+    @property
+    def captures(self) -> bool:
+        """Whether ``capture`` can make graphs here: the driver's copies, on streams that capture."""
+        return self.driver is not None and self.streams.captures
 
-    def _driver_job(self, ranges: list[tuple[int, int]], arrived: int,
-                    outputs: list[tuple[int, torch.Tensor]]) -> Callable[[], None]:
-        """Each region's ranges as ``cuMemcpyDtoDAsync``."""
-        driver, local = self.driver, self.memory.local.data_ptr()
-        regions = [(local + offset, out.data_ptr(), out.stride(0) * out.element_size()) for offset, out in outputs]
+    def capture(self, senders: int, ranges: list[tuple[int, int]], outputs: list[tuple[int, torch.Tensor]]) -> Any:
+        """``receive``'s side work for these arguments, captured as a graph (nothing runs), or
+        None if the driver refused the capture (``PeerStreams.capture``)."""
+        job = self._job(senders, ranges, outputs)
+        return self.streams.capture(lambda branch: job(), "the dispatch's copy-engine receive")
+
+    def _job(self, senders: int, ranges: list[tuple[int, int]],
+             outputs: list[tuple[int, torch.Tensor]]) -> Callable[[], None]:
+        """The wait, then each region's ranges: ``cuMemcpyDtoDAsync`` with ``driver``, else
+        torch's ``copy_``."""
+        peer_base_ptrs, rank, first_word, counted_word, status, timeout_ns = self.wait_args
+        wait_args = (peer_base_ptrs, rank, first_word, counted_word, senders, status, timeout_ns)
+        driver, local = self.driver, self.memory.local
+        if driver is not None:
+            base = local.data_ptr()
+            regions = [(base + offset, out.data_ptr(), out.stride(0) * out.element_size()) for offset, out in outputs]
+        else:
+            regions = [(offset, out.view(torch.uint8).view(-1), out.stride(0) * out.element_size())
+                       for offset, out in outputs]
 
         def job() -> None:
-            self._wait(arrived)
-            stream = current_stream()
-            for src, dst, row_bytes in regions:
-                for first, rows in ranges:
-                    driver_result(driver.cuMemcpyDtoDAsync(dst + first * row_bytes, src + first * row_bytes,
-                                                           rows * row_bytes, stream), "dispatch's row copy")
-        return job
-
-    def _torch_job(self, ranges: list[tuple[int, int]], arrived: int,
-                   outputs: list[tuple[int, torch.Tensor]]) -> Callable[[], None]:
-        """Each region's ranges as torch's ``copy_``."""
-        local = self.memory.local
-        regions = [(offset, out.view(torch.uint8).view(-1), out.stride(0) * out.element_size())
-                   for offset, out in outputs]
-
-        def job() -> None:
-            self._wait(arrived)
+            _WAIT(1, self.owner, wait_args, self.wait_constants, 1)
+            if driver is not None:
+                stream = current_stream()
+                for src, dst, row_bytes in regions:
+                    for first, rows in ranges:
+                        driver_result(driver.cuMemcpyDtoDAsync(dst + first * row_bytes, src + first * row_bytes,
+                                                               rows * row_bytes, stream), "dispatch's row copy")
+                return
             for offset, out_bytes, row_bytes in regions:
                 for first, rows in ranges:
                     out_bytes.narrow(0, first * row_bytes, rows * row_bytes).copy_(

@@ -23,18 +23,14 @@ share one state; the combine's copy-engine side work is the engine's ``CombineCo
 same object the general path calls; likewise a cached dispatch received on the copy engines
 forks the engine's ``DispatchCopier``.
 
-A combine replay also keeps its copy-engine side work as CUDA graphs, one per input address
-(``x`` and the top-k weights; the rest of what the graph holds is the handle's and the
-engine's), made the second time in a row that a call comes with the same addresses: a training
-step's combines with one handle mostly come with new inputs, and a capture costs far more than
-the calls it saves once, while a loop over the same tensors (a benchmark, a layer re-run on
-buffers the caching allocator hands back) gets the graph from its third call on. At most
-``GRAPHS_PER_COMBINE`` are kept, the oldest dropped first.
+Both replays keep their copy-engine side work as CUDA graphs (``side_streams.SideGraphs``):
+a combine's by its inputs' addresses (``x`` and the top-k weights), a cached dispatch's by its
+outputs' (``recv_x`` and the scales); the rest of what a graph holds is the handle's and the
+engine's. At most ``GRAPHS_PER_REPLAY`` each.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -45,6 +41,7 @@ from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
 from tritonep.backends.nvlink.normal.state import NormalState
 from tritonep.runtime.launcher import argument_positions, current_stream
+from tritonep.runtime.side_streams import SideGraphs
 
 if TYPE_CHECKING:
     from tritonep.core.handles import DispatchHandle
@@ -61,8 +58,8 @@ if TYPE_CHECKING:
                                    "topk_idx_ptr", "out_ptr", "out_weights_ptr", "epoch", "released_target")
 
 
-# Graphs of copy-engine side work a combine replay keeps (each a few KB of driver memory).
-GRAPHS_PER_COMBINE = 4
+# Graphs of copy-engine side work a replay keeps (each a few KB of driver memory).
+GRAPHS_PER_REPLAY = 4
 
 
 def _holds(launch: Any, values: dict[int, int]) -> bool:
@@ -118,7 +115,7 @@ class CachedDispatchReplay(_HandleReplay):
     """A cached dispatch of one handle, input layout and num_sms: its one launch (both halves,
     or the senders alone and the copy-engine receive's side work)."""
 
-    __slots__ = ("rows", "scale_words", "receivers", "launch", "args", "copy_receive")
+    __slots__ = ("rows", "scale_words", "receivers", "launch", "args", "copy_receive", "graphs")
 
     def __init__(self, state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, rows: int,
                  scale_words: int, receivers: int, copy_receive: CopyReceive | None) -> None:
@@ -126,6 +123,8 @@ class CachedDispatchReplay(_HandleReplay):
         self.rows, self.scale_words, self.receivers = rows, scale_words, receivers
         self.launch, self.args = launch, list(launch.args)
         self.copy_receive = copy_receive
+        # The copy-engine receive captured, by the outputs' addresses (recv_x's, recv_scales' or 0).
+        self.graphs = None if copy_receive is None else SideGraphs(state.peer_streams, GRAPHS_PER_REPLAY)
 
     @staticmethod
     def learn(state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, recv_x: torch.Tensor,
@@ -172,10 +171,14 @@ class CachedDispatchReplay(_HandleReplay):
         self.launch(current_stream(), args)
         state.dispatch_release_due = 0   # the senders added it
         if copy_receive is not None:
+            copier, senders, ranges = copy_receive.copier, copy_receive.senders, copy_receive.ranges
             regions = [(copy_receive.staging_x, recv_x)]
             if recv_scales is not None:
                 regions.append((copy_receive.staging_scales, recv_scales))
-            copy_receive.copier.receive(start, copy_receive.senders, copy_receive.ranges, regions)
+            graph = None if not copier.captures else self.graphs.get(
+                (args[_D_OUT_X], 0 if recv_scales is None else args[_D_OUT_SCALES]),
+                lambda: copier.capture(senders, ranges, regions))
+            copier.receive(start, senders, ranges, regions, graph)
         state.dispatch_released = released + self.receivers
         return recv_x if scales is None else (recv_x, recv_scales)
 
@@ -185,7 +188,7 @@ class CombineReplay(_HandleReplay):
     copy-engine side work before it when the rows cross on the copy engines."""
 
     __slots__ = ("copier", "copies", "rank_prefix_matrix", "num_tokens", "reducers", "pieces", "regions", "launch",
-                 "args", "ids_placeholder", "graphs", "last_addresses")
+                 "args", "ids_placeholder", "graphs")
 
     def __init__(self, state: NormalState, copier: CombineCopier | None, x: torch.Tensor,
                  topk_weights: torch.Tensor | None, handle: DispatchHandle, launch: Any, num_tokens: int,
@@ -199,15 +202,8 @@ class CombineReplay(_HandleReplay):
         self.launch, self.args = launch, list(launch.args)
         # No expert ids (V1's weights, or none): their place holds x's address, rewritten per call.
         self.ids_placeholder = self.args[_C_TOPK_IDX] == x.data_ptr()
-        # Captured side work by (x address, weights address or x's), and the last call's.
-        self.graphs: dict[tuple[int, int], Any] = {}
-        self.last_addresses = (x.data_ptr(), x.data_ptr() if topk_weights is None else topk_weights.data_ptr())
-
-    def __del__(self) -> None:
-        # At interpreter exit the driver may be gone before the replay: nothing left to free then.
-        with contextlib.suppress(Exception):
-            for graph in self.graphs.values():
-                self.state.peer_streams.drop_graph(graph)
+        # Captured side work by (x address, weights address or x's).
+        self.graphs = SideGraphs(state.peer_streams, GRAPHS_PER_REPLAY)
 
     @staticmethod
     def learn(state: NormalState, copier: CombineCopier | None, x: torch.Tensor, topk_weights: torch.Tensor | None,
@@ -243,7 +239,9 @@ class CombineReplay(_HandleReplay):
         epoch = state.combine_epoch = state.combine_epoch + 1
         released = state.combine_released
         if self.pieces:
-            graph = self._side_graph(x, topk_weights, addresses)
+            graph = None if not (self.copies and self.copier.captures) else self.graphs.get(
+                addresses, lambda: self.copier.capture(x, topk_weights, self.copies, self.rank_prefix_matrix,
+                                                       self.regions, self.pieces))
             if graph is not None:
                 state.peer_streams.fork_graph(graph)
             else:
@@ -261,18 +259,3 @@ class CombineReplay(_HandleReplay):
             state.peer_streams.join()
         state.combine_released = released + self.reducers
         return out, out_weights
-
-    def _side_graph(self, x: torch.Tensor, topk_weights: torch.Tensor | None, addresses: tuple[int, int]) -> Any:
-        """The graph of this call's copy-engine side work: known, or captured now when the last
-        call came with the same addresses; else None (the side work is issued op by op)."""
-        graph = self.graphs.get(addresses)
-        if graph is None and addresses == self.last_addresses and self.copies and self.copier.captures \
-                and not torch.cuda.is_current_stream_capturing():   # (a user's capture takes the ops as they are)
-            if len(self.graphs) == GRAPHS_PER_COMBINE:
-                self.state.peer_streams.drop_graph(self.graphs.pop(next(iter(self.graphs))))
-            graph = self.copier.capture(x, topk_weights, self.copies, self.rank_prefix_matrix, self.regions,
-                                        self.pieces)
-            if graph is not None:
-                self.graphs[addresses] = graph
-        self.last_addresses = addresses
-        return graph

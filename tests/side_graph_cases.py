@@ -1,16 +1,20 @@
-"""The copy-engine combine's graphs on GPUs: results and host work (run on every rank of a pool).
+"""The copy-engine side work's graphs on GPUs: results and host work (run on every rank of a pool).
 
 A combine replay captures its copy-engine side work as a CUDA graph once a call repeats the
-last call's addresses (``replay.py``), and forks that graph afterwards. ``graph_combines``
-checks the results against the CPU backend while the addresses stay, change, come back and
-outnumber the graphs a replay keeps; ``combine_host_calls`` lists the CUDA calls that one
-replayed combine makes with a graph and without one: the runtime calls and kernel launches the
-profiler records, and the driver calls made through cuda-bindings, which the profiler leaves
-out (counted by a stand-in for the driver module that passes each call on).
+last call's input addresses, and a cached dispatch received on the copy engines once a call's
+outputs land where the last call's did (``replay.py``); each forks its graph afterwards.
+``graph_combines`` checks the results against the CPU backend while the addresses stay,
+change, come back and outnumber the graphs a replay keeps; ``graph_cached_dispatches`` does
+the same for cached dispatches, and counts their graph launches and copies;
+``combine_host_calls`` lists the CUDA calls that one replayed combine makes with a graph and
+without one: the runtime calls and kernel launches the profiler records, and the driver calls
+made through cuda-bindings, which the profiler leaves out (counted by a stand-in for the driver
+module that passes each call on).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -20,6 +24,7 @@ from deep_ep_user import dispatch_with_layout
 from nvlink_cases import Case, bf16_mismatch, combine_rounding, make_inputs, shared_buffers
 
 import tritonep as deep_ep
+from tritonep.utils import per_token_cast_to_fp8
 
 
 def _dispatched(buffer: deep_ep.Buffer, inputs: dict, case: Case, device: torch.device) -> tuple:
@@ -144,7 +149,65 @@ def combine_host_calls(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> di
     for x in fresh[:2]:
         combine(x)()
     calls["ops"] = calls_of(combine(fresh[2]))
-    calls["capture error"] = copier.capture_error   # None when graphs were made
+    calls["capture error"] = copier.streams.capture_error   # None when graphs were made
     torch.cuda.synchronize()
     dist.barrier(group=group)
     return calls
+
+
+def _differing(got: torch.Tensor | tuple, expected: torch.Tensor | tuple) -> list[str]:
+    """The parts of a dispatch's received x (rows, or rows and scales) that differ bit for bit."""
+    pairs = zip(got, expected) if isinstance(got, tuple) else [(got, expected)]
+    return [name for name, (g, e) in zip(("rows", "scales"), pairs)
+            if not torch.equal(g.cpu().view(torch.uint8), e.view(torch.uint8))]
+
+
+def graph_cached_dispatches(group: dist.ProcessGroup, nvl_bytes: int = 1 << 30) -> dict[str, object]:
+    """Cached dispatches with one handle, received on the copy engines, bf16 and fp8, each on
+    new inputs: first with each call's outputs dropped before the next (the allocator hands
+    their blocks back: one address, a graph from the third call), then with the outputs kept
+    alive (new addresses: the side work op by op, but for a first call that may land where the
+    last phase's outputs did). Returns this rank's mismatches against the
+    CPU backend, and each call's driver calls by phase (a capture's copies among them: the
+    driver is called while the stream records)."""
+    nvlink, cpu = shared_buffers(group, nvl_bytes)
+    backend = nvlink.backend
+    default = backend.tuning
+    backend.tuning = dataclasses.replace(default, copy_engine_dispatch=2)   # from 2 ranks on
+    case = _graph_case(group)
+    inputs = make_inputs(case, group.rank(), group.size())
+    device = nvlink.device
+    config = deep_ep.Config(case.num_sms)
+    copier = backend.normal.dispatch_copier
+    real = copier.driver
+    counting = CountingDriver(real)
+    problems: list[str] = []
+    calls: dict[str, list[list[str]]] = {}
+    try:
+        _, _, handle = _dispatched(nvlink, inputs, case, device)
+        _, _, cpu_handle = _dispatched(cpu, inputs, case, torch.device("cpu"))
+        copier.driver = copier.streams.driver = counting
+        for fp8 in (False, True):
+            for phase, count in (("same address", 6), ("kept alive", 3)):
+                # Every input made first, so that only the outputs come and go in the loop.
+                xs = [inputs["x"] * 2.0 ** -call for call in range(count)]   # exact in bf16 and fp8 scales
+                xs_in = [per_token_cast_to_fp8(x.to(device)) if fp8 else x.to(device) for x in xs]
+                kept, per_call = [], []
+                for call, (x, x_in) in enumerate(zip(xs, xs_in)):
+                    x_cpu = tuple(t.cpu() for t in x_in) if fp8 else x
+                    counting.calls = []
+                    got = nvlink.dispatch(x_in, handle=handle, config=config)[0]
+                    per_call.append(counting.calls)
+                    expected = cpu.dispatch(x_cpu, handle=cpu_handle, config=config)[0]
+                    problems += [f"{phase}, fp8 {fp8}, call {call}: {name} differ"
+                                 for name in _differing(got, expected)]
+                    if phase == "kept alive":
+                        kept.append(got)
+                    del got   # (no other reference: its block goes back to the allocator)
+                calls[f"{phase}, fp8 {fp8}"] = per_call
+        torch.cuda.synchronize()
+    finally:
+        copier.driver = copier.streams.driver = real
+        backend.tuning = default
+    dist.barrier(group=group)
+    return {"problems": problems, "calls": calls, "capture error": copier.streams.capture_error}
