@@ -86,7 +86,7 @@ def gpu_session_pool(request: pytest.FixtureRequest):
 
     ranks, cores = gpu_ranks(), len(os.sched_getaffinity(0))
     # Each rank keeps two threads busy (its GPU side, its oracle); the rest compile.
-    warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks))
+    warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks), ranks)
     pool = start_gpu_pool(ranks)
     if _own_transport_ranks(ranks) and _uses(request.session, "transport_pool"):
         _STARTING["transport"] = start_gpu_pool(ranks)

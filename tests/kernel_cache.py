@@ -101,10 +101,32 @@ class Warming:
                 f"{self.workers} processes, {failed} no longer accepted")
 
 
-def warm_in_background(path: Path, workers: int) -> Warming | None:
-    """Start compiling the distinct lines of the kernel list at ``path``, in their order (the
-    order the suite first needed them); None without a list."""
+def listed_ranks(line: str) -> int | None:
+    """The ``NUM_RANKS`` constexpr a kernel list line was compiled for, None if it has none."""
+    data = json.loads(line)["kernel"]
+    names = list(data["signature"])   # in argument order: constant keys are argument indices
+    if "NUM_RANKS" not in names:
+        return None
+    path = [names.index("NUM_RANKS")]
+    for key, value in zip(data["constant_keys"], data["constant_vals"]):
+        if key == path:
+            return value["constexpr"] if isinstance(value, dict) else value
+    return None
+
+
+def warming_order(lines: list[str], num_ranks: int | None) -> list[str]:
+    """The distinct ``lines`` in their order (the order the suite first needed them), those
+    compiled for another rank count than ``num_ranks`` last: the list holds the kernels of
+    every rank count the suite ran at, and a session at one count needs the others' last."""
+    lines = list(dict.fromkeys(line for line in lines if line.strip()))
+    if num_ranks is None:
+        return lines
+    return sorted(lines, key=lambda line: listed_ranks(line) not in (None, num_ranks))
+
+
+def warm_in_background(path: Path, workers: int, num_ranks: int | None = None) -> Warming | None:
+    """Start compiling the kernel list at ``path`` in ``warming_order``; None without a list."""
     if not path.exists() or workers < 1:
         return None
-    lines = list(dict.fromkeys(line for line in path.read_text().splitlines() if line.strip()))
+    lines = warming_order(path.read_text().splitlines(), num_ranks)
     return Warming(lines, workers) if lines else None

@@ -3,11 +3,12 @@ finds in its disk cache. Compiled for sm90 on the CPU: Triton needs no GPU to co
 
 from __future__ import annotations
 
+import json
 import os
 
 import triton
 import triton.language as tl
-from kernel_cache import entry, warm_in_background
+from kernel_cache import entry, listed_ranks, warm_in_background, warming_order
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature, get_full_name, serialize_specialization_data
@@ -72,3 +73,19 @@ def test_listed_kernels_are_what_the_jit_finds_in_the_cache(tmp_path, monkeypatc
     triton.compile(source, target=TARGET, options=options)
     assert _cached_files(cache) > compiled
     assert os.environ["TRITON_CACHE_DIR"] == str(cache)
+
+
+def test_warming_takes_the_sessions_rank_count_first() -> None:
+    def line(name: str, num_ranks: int | None) -> str:
+        names = ["x_ptr", "n"] + ([] if num_ranks is None else ["NUM_RANKS"])
+        data = {"name": name, "signature": {n: "constexpr" if n == "NUM_RANKS" else "i32" for n in names},
+                "constant_keys": [[2]] if num_ranks is not None else [], "constant_vals":
+                [{"constexpr": num_ranks}] if num_ranks is not None else [], "attrs_keys": [], "attrs_vals": []}
+        return json.dumps({"target": ["cuda", 90, 32], "kernel": data})
+
+    four, two, plain, four_again = line("a", 4), line("b", 2), line("c", None), line("d", 4)
+    assert [listed_ranks(x) for x in (four, two, plain)] == [4, 2, None]
+    lines = [four, two, plain, four, four_again]
+    assert warming_order(lines, 2) == [two, plain, four, four_again]
+    assert warming_order(lines, 4) == [four, plain, four_again, two]
+    assert warming_order(lines, None) == [four, two, plain, four_again]
