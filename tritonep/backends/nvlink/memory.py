@@ -194,6 +194,7 @@ class SymmetricBuffer:
         # until then).
         mapped = on_every_rank(self.group, map_peers, "mapping the peers' allocations (CUDA IPC)")
         self._keep_alive.extend(mapped)
+        _enable_peer_access(device, {view.device.index for view in mapped} - {device.index})
         return mapped
 
     def _map_shared_files(self, total: int) -> list[torch.Tensor]:
@@ -279,3 +280,37 @@ def fabric_memory_available(device: torch.device) -> bool:
     finally:
         driver.cuMemRelease(handle)
         del probe
+
+
+def _enable_peer_access(device: torch.device, others: set[int]) -> None:
+    """Let kernels on ``device`` reach memory of the GPUs ``others`` (ranks sharing GPUs, when
+    they span several). torch maps a peer's IPC export in the context of the peer's own GPU,
+    where it was allocated, and opening it enables no access from ours: without this, the
+    first kernel here that touches a peer on another GPU faults (illegal address). Needs
+    cuda-bindings' driver module."""
+    if not others:
+        return
+    try:
+        from cuda.bindings import driver
+    except ImportError as error:
+        raise RuntimeError("ranks that share GPUs across several GPUs need cuda-bindings (pip install "
+                           "cuda-bindings) to let each GPU reach the others' memory") from error
+    from tritonep.runtime.side_streams import driver_result
+
+    mine = driver_result(driver.cuDeviceGet(device.index), "device lookup")
+    context = driver_result(driver.cuDevicePrimaryCtxRetain(mine), "context lookup")
+    driver_result(driver.cuCtxPushCurrent(context), "context switch")
+    try:
+        for index in sorted(others):
+            other = driver_result(driver.cuDeviceGet(index), "device lookup")
+            other_context = driver_result(driver.cuDevicePrimaryCtxRetain(other), "context lookup")
+            try:
+                result = driver.cuCtxEnablePeerAccess(other_context, 0)[0]
+            finally:
+                driver_result(driver.cuDevicePrimaryCtxRelease(other), "context release")
+            if result not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                raise RuntimeError(f"GPU {device.index} cannot reach GPU {index}'s memory ({result!r}): ranks "
+                                   f"that share GPUs need GPUs with peer access to each other")
+    finally:
+        driver_result(driver.cuCtxPopCurrent(), "context switch")
+        driver_result(driver.cuDevicePrimaryCtxRelease(mine), "context release")
