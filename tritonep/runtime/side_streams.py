@@ -211,14 +211,15 @@ class SideGraphs:
         """The graph for ``addresses``: known, or made now by ``capture`` (which may return None)
         when the last call came with the same addresses; else None (issue the work op by op)."""
         graph = self.graphs.get(addresses)
-        if graph is None and addresses == self.last and self.streams.captures \
-                and not torch.cuda.is_current_stream_capturing():   # (a user's capture takes the ops as they are)
+        repeated, self.last = addresses == self.last, addresses
+        if (graph is not None or (repeated and self.streams.captures)) and torch.cuda.is_current_stream_capturing():
+            return None   # a user's capture takes the ops as they are, never a graph of ours
+        if graph is None and repeated and self.streams.captures:
             if len(self.graphs) == self.limit:
                 self.streams.drop_graph(self.graphs.pop(next(iter(self.graphs))))
             graph = capture()
             if graph is not None:
                 self.graphs[addresses] = graph
-        self.last = addresses
         return graph
 
     def __del__(self) -> None:
