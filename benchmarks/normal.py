@@ -3,8 +3,10 @@ and DeepEP V1 on the same routing, with the same timing.
 
 Per Buffer: layout, dispatch with its count exchange, cached dispatch in bf16 and fp8, combine,
 each timed on its own (``timing.median_us``) and, on GPUs, back to back; the host's CPU time per
-call; the count exchange's cost as the median over interleaved pairs of (fresh - cached). The
-main figures are taken in ``--rounds`` rounds, tritonep and DeepEP in turn.
+call, of a call repeated with one handle and of a cached dispatch and a combine each on a new
+handle (what a training step makes); the count exchange's cost as the median over interleaved
+pairs of (fresh - cached). The main figures are taken in ``--rounds`` rounds, tritonep and
+DeepEP in turn.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ def buffer_calls(group: dist.ProcessGroup, buffer: object, args: argparse.Namesp
                  topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_sms: int,
                  module: object = tritonep) -> tuple[dict[str, Callable[..., object]], torch.Tensor]:
     """The calls the bench makes on one Buffer, after one fresh dispatch that makes their handle:
-    ``layout``, ``fresh`` (dispatch with the count exchange), ``cached(x)`` (a dispatch of ``x``
-    with the handle) and ``combine``; and the rows that dispatch received. ``module`` is the
-    package the Buffer comes from (tritonep, or DeepEP's deep_ep): both size their configs the
-    same way."""
+    ``layout``, ``fresh`` (dispatch with the count exchange, returning what dispatch returns),
+    ``cached(x)`` (a dispatch of ``x`` with the handle) and ``combine``, and the same two with
+    another fresh dispatch's outputs, ``cached_with(handle)`` and ``combine_with(dispatched)``;
+    and the rows that dispatch received. ``module`` is the package the Buffer comes from
+    (tritonep, or DeepEP's deep_ep): both size their configs the same way."""
     module.Buffer.set_num_sms(num_sms)
     config = module.Buffer.get_dispatch_config(group.size())
     combine_config = module.Buffer.get_combine_config(group.size())
@@ -63,6 +66,9 @@ def buffer_calls(group: dist.ProcessGroup, buffer: object, args: argparse.Namesp
         "fresh": lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout),
         "cached": lambda x_in=x: buffer.dispatch(x_in, handle=handle, config=config),
         "combine": lambda: buffer.combine(recv_x, handle, config=combine_config),
+        "cached_with": lambda other: buffer.dispatch(x, handle=other, config=config),
+        # ``dispatched``: a fresh dispatch's return value, (recv_x, ..., handle, event).
+        "combine_with": lambda dispatched: buffer.combine(dispatched[0], dispatched[4], config=combine_config),
     }
     return calls, recv_x
 
@@ -85,9 +91,14 @@ def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Name
         "cached_dispatch_us": timing.median_us(group, cached, iters),
         "combine_us": timing.median_us(group, combine, iters),
     }
+    # Host time per call: of one call repeated (as the GPU rows), and of a cached dispatch and a
+    # combine each on a new handle (as in training, where routing changes every step).
+    result["host_us"] = {name: timing.back_to_back_host_us(fn, calls=10, rounds=7) for name, fn in
+                         (("layout", layout_call), ("cached_dispatch", cached), ("combine", combine))}
+    result["host_us"]["cached_dispatch_new_handle"] = timing.first_use_host_us(lambda: fresh()[4],
+                                                                               calls["cached_with"])
+    result["host_us"]["combine_new_handle"] = timing.first_use_host_us(fresh, calls["combine_with"])
     if x.is_cuda:
-        result["host_us"] = {name: timing.back_to_back_host_us(fn, calls=10, rounds=7) for name, fn in
-                             (("layout", layout_call), ("cached_dispatch", cached), ("combine", combine))}
         result["layout_pipelined_us"] = timing.back_to_back_us(group, layout_call, iters)
         result["cached_dispatch_pipelined_us"] = timing.back_to_back_us(group, cached, iters)
         result["combine_pipelined_us"] = timing.back_to_back_us(group, combine, iters)

@@ -8,6 +8,8 @@
   decode loop issue them; the time per call is the total over the calls divided by their
   number, the ranks aligned and L2 flushed once, outside the timed loop.
 * ``graph_us``: calls captured in one CUDA graph and replayed: no host path at all.
+* ``back_to_back_host_us`` / ``first_use_host_us``: the host's CPU time per call, of one call
+  repeated, and of calls each made with a new argument (a handle used for the first time).
 * ``profiled_gpu_us``: torch.profiler's device time per call (every kernel, memset and copy the
   call runs), after a discarded warm-up step, the ranks meeting at a host barrier first.
 
@@ -161,6 +163,29 @@ def back_to_back_host_us(fn: Callable[[], object], calls: int = 20, rounds: int 
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - begin) / calls * 1e6)
+    if gpu:
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def first_use_host_us(make: Callable[[], object], use: Callable[[object], object], calls: int = 8,
+                      rounds: int = 3) -> float:
+    """CPU microseconds per call of ``use(made)`` when every call is the first made with its
+    argument: each round makes ``calls`` arguments with ``make`` (not timed), then uses each once,
+    back to back; the median round. This is what a training step's calls with a handle cost: with
+    new routing every step, each handle serves one combine and one cached dispatch, so nothing a
+    library learns from a repeated call (a replay, a captured graph) helps them."""
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    samples = []
+    for _ in range(rounds):
+        made = [make() for _ in range(calls)]
+        if gpu:
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for argument in made:
+            use(argument)
+        samples.append((time.perf_counter() - begin) / calls * 1e6)
+        del made
     if gpu:
         torch.cuda.synchronize()
     return statistics.median(samples)

@@ -14,7 +14,7 @@ import sys
 import numpy
 import pytest
 
-from benchmarks import normal, report
+from benchmarks import normal, report, timing
 from benchmarks.__main__ import main
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
@@ -27,6 +27,9 @@ def test_bench_on_cpu_ranks_writes_every_path(tmp_path) -> None:
     normal_path = result["all_to_all_path"]
     timed = ("layout_us", "dispatch_us", "cached_dispatch_us", "combine_us")
     assert all(normal_path[key] > 0 for key in timed) and normal_path["recv_bytes"] > 0
+    host = normal_path["host_us"]
+    assert set(host) == {"layout", "cached_dispatch", "combine", "cached_dispatch_new_handle", "combine_new_handle"}
+    assert all(us > 0 for us in host.values()), host
     assert result["bare_all_to_all_us"] > 0
     assert "link_ceiling" not in result   # measured on GPUs only, beside the NVLink backend
     low_latency = result["low_latency"]
@@ -40,6 +43,18 @@ def test_bench_on_cpu_ranks_writes_every_path(tmp_path) -> None:
     except ImportError:
         assert "DeepEP not found" in result["deepep"]["missing"]
         assert "DeepEP not found" in low_latency["deepep"]["missing"]
+
+
+def test_first_use_host_time_uses_each_argument_once() -> None:
+    """Each timed call gets an argument no call had before (a new handle each), made ahead of its round."""
+    made, used = [], []
+
+    def make() -> object:
+        made.append(object())
+        return made[-1]
+
+    assert timing.first_use_host_us(make, used.append, calls=4, rounds=3) >= 0
+    assert len(made) == 12 and used == made
 
 
 def test_rounds_combine_into_medians_and_a_spread() -> None:
