@@ -212,9 +212,11 @@ class SideGraphs:
         when the last call came with the same addresses; else None (issue the work op by op)."""
         graph = self.graphs.get(addresses)
         repeated, self.last = addresses == self.last, addresses
-        if (graph is not None or (repeated and self.streams.captures)) and torch.cuda.is_current_stream_capturing():
+        if graph is None and not (repeated and self.streams.captures):
+            return None
+        if torch.cuda.is_current_stream_capturing():
             return None   # a user's capture takes the ops as they are, never a graph of ours
-        if graph is None and repeated and self.streams.captures:
+        if graph is None:
             if len(self.graphs) == self.limit:
                 self.streams.drop_graph(self.graphs.pop(next(iter(self.graphs))))
             graph = capture()
