@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from tritonep.backends.nvlink.normal.combine_copy_engine import MAX_PIECES, combine_copies, piece_ends, pieces_per_peer
+from tritonep.backends.nvlink.normal.combine_copy_engine import (
+    MAX_PIECES,
+    combine_copies,
+    piece_ends,
+    piece_ratio,
+    pieces_per_peer,
+)
 from tritonep.backends.nvlink.normal.dispatch_copy_engine import staged_ranges  # noqa: E402
 from tritonep.backends.nvlink.tuning import (  # noqa: E402
     Tuning,
@@ -94,6 +100,14 @@ def test_pieces_per_peer_keep_the_host_issue_bounded() -> None:
     assert [pieces_per_peer(r, 0) for r in (1, 2, 3, 4, 5, 6, 8)] == [3, 3, 3, 2, 2, 1, 1]
     assert all(pieces_per_peer(r, 0) * (r - 1) <= MAX_PIECES for r in range(2, 10))
     assert pieces_per_peer(8, 3) == 3 and pieces_per_peer(2, 1) == 1
+
+
+def test_piece_ratio_by_pieces_per_peer() -> None:
+    """By default the last of two pieces holds about 30% of a block's rows, the last of three
+    about 18%; a set ratio is kept."""
+    last_share = {pieces: piece_ends(1000, pieces, piece_ratio(pieces, 0.0)) for pieces in (2, 3)}
+    assert 1000 - last_share[2][-2] in range(280, 300) and 1000 - last_share[3][-2] in range(170, 190)
+    assert piece_ratio(2, 0.8) == 0.8 and piece_ratio(1, 0.0) > 0
 
 
 def test_combine_tile_by_rank_count() -> None:

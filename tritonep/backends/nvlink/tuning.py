@@ -35,10 +35,11 @@ class Tuning:
     # this many pieces per peer (each piece costs a copy and a stream write on the host, and a
     # few microseconds between them on the GPU, so a few large pieces beat many small ones);
     # 0: by rank count (``combine_copy_engine.pieces_per_peer``). Each piece is this fraction of
-    # the one before (``combine_copy_engine.piece_ends``).
+    # the one before (``combine_copy_engine.piece_ends``); 0: by pieces per peer
+    # (``combine_copy_engine.piece_ratio``).
     copy_engine_combine: bool = True
     combine_pieces: int = 0
-    combine_piece_ratio: float = 0.6
+    combine_piece_ratio: float = 0.0
     # The copy engines' work (those pieces, and the copy-engine dispatch receive below) through
     # the CUDA driver when cuda-bindings is installed: a copy and a stream write per piece, a copy
     # per range of the receive; False: torch's copies (and the pieces' signal kernel).

@@ -128,6 +128,15 @@ def pieces_per_peer(num_ranks: int, requested: int) -> int:
     return max(1, min(3, MAX_PIECES // max(num_ranks - 1, 1)))
 
 
+def piece_ratio(pieces: int, requested: float) -> float:
+    """The ``piece_ends`` ratio: ``requested`` if set (> 0), else 0.4 for two pieces per peer and
+    0.6 for three or more (the last piece then holds about 30% and 18% of the rows): the best of
+    0.2 to 1.0 at EP4 (two pieces) and EP2 (three) respectively (docs/findings.md)."""
+    if requested > 0:
+        return requested
+    return 0.4 if pieces == 2 else 0.6
+
+
 def piece_ends(count: int, pieces: int, ratio: float) -> list[int]:
     """Row ends of a ``count``-row block cut into ``pieces`` pieces in token order, each piece
     ``ratio`` times the one before: the rows of the last round are all the reducers have left

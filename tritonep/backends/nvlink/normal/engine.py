@@ -27,6 +27,7 @@ from tritonep.backends.nvlink.normal.combine_copy_engine import (
     CombineCopier,
     combine_copies,
     driver_memory_operations,
+    piece_ratio,
     pieces_per_peer,
 )
 from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
@@ -97,7 +98,8 @@ class NormalEngine:
         self._status_args = (state.status.tensor, self.timeout_ns)
         self.copier = None if self._memory is None else CombineCopier(
             self._memory, state.peer_streams, self._driver if tuning.copy_driver else None,
-            state.launch_generation, tuning.combine_piece_ratio)
+            state.launch_generation,
+            piece_ratio(pieces_per_peer(self.num_ranks, tuning.combine_pieces), tuning.combine_piece_ratio))
         self.dispatch_copier = None if self._memory is None else DispatchCopier(
             self._memory, state, self._driver if tuning.copy_driver else None, state.launch_generation,
             self._status_args)
