@@ -31,6 +31,25 @@ def own_us_per_call(group: dist.ProcessGroup, fn: Callable[[], object], calls: i
         profile.enable()
         fn()
         profile.disable()
+    return _own_us(profile, calls)
+
+
+def own_us_per_first_use(group: dist.ProcessGroup, make: Callable[[], object], use: Callable[[object], object],
+                         calls: int) -> dict[str, float]:
+    """As ``own_us_per_call``, of ``use(made)`` with each call the first made with its argument
+    (``make``'s, made before the profile): a handle's first cached dispatch or combine."""
+    for _ in range(WARMUP_CALLS):
+        use(make())
+    made = [make() for _ in range(calls)]
+    profile = cProfile.Profile()
+    for argument, _ in zip(made, timing.idle_starts(group, calls)):
+        profile.enable()
+        use(argument)
+        profile.disable()
+    return _own_us(profile, calls)
+
+
+def _own_us(profile: cProfile.Profile, calls: int) -> dict[str, float]:
     stats = pstats.Stats(profile).stats   # {(file, line, name): (calls, primitive calls, own s, total s, callers)}
     return {f"{_where(file)}:{line}({name})": own / calls * 1e6
             for (file, line, name), (_, _, own, _, _) in stats.items()}

@@ -193,6 +193,11 @@ def host_profiles(group: dist.ProcessGroup, buffer: object, args: argparse.Names
     calls, _ = buffer_calls(group, buffer, args, x, topk_idx, topk_weights, args.num_sms)
     rows = {"layout": calls["layout"], "cached_dispatch": calls["cached"], "combine": calls["combine"]}
     profiles = {name: host_profile.own_us_per_call(group, fn, args.iters) for name, fn in rows.items()}
+    # A handle's first calls (training's: new routing every step), which no replay serves.
+    profiles["cached_dispatch_new_handle"] = host_profile.own_us_per_first_use(
+        group, lambda: calls["fresh"]()[4], calls["cached_with"], min(args.iters, 16))
+    profiles["combine_new_handle"] = host_profile.own_us_per_first_use(
+        group, calls["fresh"], calls["combine_with"], min(args.iters, 16))
     tuning = getattr(buffer.backend, "tuning", None)   # (the CPU backend has no kernels to tune)
     if tuning is not None and group.size() > 1:
         other = 0 if copy_engine_receives(tuning.copy_engine_dispatch, group.size()) else 2   # (2: from 2 ranks)

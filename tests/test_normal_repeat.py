@@ -61,28 +61,41 @@ def replays_match_general_path(group: dist.ProcessGroup, tuning: dict) -> list[s
     backend = buffer.backend
     backend.tuning = dataclasses.replace(backend.tuning, **tuning)
     state = backend.normal.state
-    topk_idx = torch.rand(TOKENS, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
-    weights = torch.rand(TOKENS, TOPK, generator=generator, dtype=torch.float32)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, EXPERTS)
-    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
-        bf16(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx, topk_weights=weights)
-    rows = recv_x.shape[0]
+
+    def fresh_dispatch(tokens: int = TOKENS) -> tuple:
+        """(handle, its rows, its received top-k weights) of a dispatch of new routing."""
+        topk_idx = torch.rand(tokens, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
+        weights = torch.rand(tokens, TOPK, generator=generator, dtype=torch.float32)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, EXPERTS)
+        recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
+            bf16(tokens), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=weights)
+        return handle, recv_x.shape[0], recv_weights
+
+    handle, rows, recv_weights = fresh_dispatch()
+    # New handles (made here: their kernels run), the last one of another token count.
+    others = [fresh_dispatch(), fresh_dispatch(), fresh_dispatch(TOKENS + 1)]
     problems: list[str] = []
 
-    def both_paths(call: Callable[[], object], counters: tuple[str, str], what: str) -> None:
-        """``call`` through its replay, then through the general path, from the same counters."""
+    def both_paths(call: Callable[[], object], counters: tuple[str, str], what: str, subject: object = None,
+                   rebound: bool = False) -> None:
+        """``call`` (made with ``subject``, by default ``handle``) through its replay, then
+        through the general path, from the same counters. ``rebound``: the replay is the
+        Buffer's latest of another handle, rebound to ``subject`` (its own table emptied)."""
+        subject = handle if subject is None else subject
         before = tuple(getattr(state, counter) for counter in counters)
-        learnt, runs = handle.replays, []
+        learnt, latest, runs = subject.replays, buffer._handle_replays, []
         for through_replay in (True, False):
             for counter, value in zip(counters, before):
                 setattr(state, counter, value)
-            handle.replays = learnt if through_replay else ReplayTable()   # (what the general run learns goes)
+            # (What the general run learns goes.)
+            subject.replays = learnt if through_replay and not rebound else ReplayTable()
+            buffer._handle_replays = latest if through_replay else ReplayTable()
             RecordedLaunch.log = []
             result = call()[:2]   # (recv_x, None) or (combined_x, combined_topk_weights)
             runs.append((named_launches(RecordedLaunch.log, result), result_shapes(result),
                          tuple(getattr(state, counter) for counter in counters)))
-        handle.replays = learnt
+        subject.replays, buffer._handle_replays = learnt, latest
         if runs[0] != runs[1]:
             problems.append(f"{what}: replay {runs[0]} != general {runs[1]}")
 
@@ -113,6 +126,20 @@ def replays_match_general_path(group: dist.ProcessGroup, tuning: dict) -> list[s
                                "combine")
             wanted = {"cached_dispatch": 2 * CALLS, "combine": 2 * CALLS, "low_latency": 0}
             served(taken, wanted, "learnt calls")
+            # New handles' first calls (training routes anew every step): the latest replays,
+            # rebound to each, launch what the general path launches for it.
+            # The dispatch replays learnt x's token count: the last handle's cached dispatches take
+            # the general path, its combines (any rows) are rebound.
+            for other, other_rows, other_weights in others:
+                tokens = other.is_token_in_rank.shape[0]
+                for make_x in (bf16, lambda tokens: deep_ep.utils.per_token_cast_to_fp8(bf16(tokens))):
+                    both_paths(functools.partial(buffer.dispatch, make_x(tokens), handle=other), DISPATCH_COUNTERS,
+                               "rebound cached dispatch", other, rebound=True)
+                for topk_weights in (other_weights, None):
+                    both_paths(functools.partial(buffer.combine, bf16(other_rows), other, topk_weights),
+                               COMBINE_COUNTERS, "rebound combine", other, rebound=True)
+            wanted = {"cached_dispatch": 2 * CALLS + 4, "combine": 2 * CALLS + 6, "low_latency": 0}
+            served(taken, wanted, "rebound calls")
             if not _status_word_in_every_launch(state.status.address):
                 problems.append("a launch does not pass the status word's address")
             # Declined (the general path serves them): other scale strides; another num_sms and

@@ -16,6 +16,12 @@ keyed by their options and shapes, and each normal-mode handle keeps one for the
 it, keyed by the call's kind and options. Engines never see a key; the front end never sees a
 launch. A general call is given the replay already under its key, if any, so an engine may
 complete it (a low-latency replay learns one receive slot per call).
+
+Training routes anew every step, so most handles serve one combine and one cached dispatch:
+their calls never repeat. A handle's replay therefore also offers ``rebind(handle)``: the same
+call made with another handle of its engine (what differs is the handle's tensors and row
+counts), or None where the general path must decide. The Buffer keeps the latest handle
+replay of each key (``latest``), and a new handle's first call rebinds it (``handle_replay``).
 """
 
 from __future__ import annotations
@@ -44,3 +50,23 @@ class ReplayTable:
     def clear(self) -> None:
         """Forget every replay (their launches point into memory that is being released)."""
         self._replays.clear()
+
+
+def handle_replay(latest: ReplayTable, key: Hashable, handle: Any) -> Replay | None:
+    """The replay of a call made with ``handle`` (a normal-mode handle, whose ``replays`` is its
+    table): the one under ``key``, else the latest one of another handle (``latest``) rebound
+    to this handle, which the handle then keeps; None when neither exists or the rebinding
+    refuses."""
+    replay = handle.replays.get(key)
+    if replay is None:
+        template = latest.get(key)
+        if template is not None:
+            handle.replays.learn(key, template.rebind(handle))
+            replay = handle.replays.get(key)
+    return replay
+
+
+def learn_handle_replay(latest: ReplayTable, key: Hashable, handle: Any, replay: Replay | None) -> None:
+    """Keep ``handle``'s ``replay`` under ``key`` in its table and as the latest of that key."""
+    handle.replays.learn(key, replay)
+    latest.learn(key, replay)

@@ -58,13 +58,14 @@ class NamedJITFunction(triton.runtime.JITFunction):
 
 def jit(profiler_name: str, **options: Any) -> Callable[[Callable], Any]:
     """``triton.jit(**options)``, the compiled kernel named ``profiler_name`` in profiler traces
-    (e.g. "tritonep::low_latency::dispatch"); ``kernel.profiler_name`` holds it either way."""
+    (e.g. "tritonep::low_latency::dispatch"); ``kernel.profiler_name`` holds it either way, and
+    ``kernel.unspecialised`` the names of the arguments listed in ``do_not_specialize`` (what a
+    learnt launch takes any value of: ``launcher.respecialised``)."""
     mangled(profiler_name)   # a bad name fails at import, on every platform
+    unspecialised = frozenset(options.get("do_not_specialize", ()))
 
     def decorate(fn: Callable) -> Any:
-        if INTERPRET:
-            kernel = triton.jit(**options)(fn)
-            kernel.profiler_name = profiler_name
-            return kernel
-        return NamedJITFunction(fn, profiler_name, **options)
+        kernel = triton.jit(**options)(fn) if INTERPRET else NamedJITFunction(fn, profiler_name, **options)
+        kernel.profiler_name, kernel.unspecialised = profiler_name, unspecialised
+        return kernel
     return decorate

@@ -99,6 +99,21 @@ def current_stream() -> int:
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
+def respecialised(kernel: Any, raw: list, values: dict[int, int]) -> list | None:
+    """A copy of a launch's raw argument list (``_Setup.args``) with ``values`` (position -> raw
+    value) written in, or None when one of them falls into another specialisation than the value
+    it replaces (``_kinds``; an argument the kernel does not specialise, ``kernel_names.jit``'s
+    ``unspecialised``, takes any value): the launch was compiled for the values it holds."""
+    names, unspecialised = kernel.arg_names, kernel.unspecialised
+    for position, value in values.items():
+        if names[position] not in unspecialised and _kinds([raw[position]]) != _kinds([value]):
+            return None
+    args = list(raw)
+    for position, value in values.items():
+        args[position] = value
+    return args
+
+
 def argument_positions(kernel: Any, *names: str) -> tuple[int, ...]:
     """Where the arguments ``names`` sit in ``kernel``'s argument list, and so in the raw list of
     a launch of it (``_Setup.args``): the places a replay rewrites, found by name so that the

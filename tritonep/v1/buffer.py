@@ -29,7 +29,7 @@ from tritonep.core.event import EventOverlap, capture_event
 from tritonep.core.groups import backend_for_comm, check_comm, group_from_comm
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 from tritonep.core.rank_agreement import check_same_arguments
-from tritonep.core.replay import ReplayTable
+from tritonep.core.replay import ReplayTable, handle_replay, learn_handle_replay
 from tritonep.core.torch_modes import plain_hook, torch_functions_off, without_torch_function
 from tritonep.runtime.streams import on_comm_stream
 from tritonep.v1 import checks as v1_checks
@@ -147,6 +147,9 @@ class Buffer:
         self._on_gpu = self.device.type == "cuda"
         # Low-latency calls that repeat, by their options and shapes (see low_latency_dispatch).
         self._low_latency_replays = ReplayTable()
+        # The latest cached dispatch and combine replays of any handle, by their keys: a new
+        # handle's first such call rebinds one (core/replay.py).
+        self._handle_replays = ReplayTable()
         if enable_shrink:
             self.backend.rank_mask = torch.zeros(self.group_size, dtype=torch.int32, device=self.device)
         self._destroyed = False
@@ -190,6 +193,7 @@ class Buffer:
         require(self.explicitly_destroy, "destroy() is only for buffers made with explicitly_destroy=True")
         self._check_alive()
         self._low_latency_replays.clear()
+        self._handle_replays.clear()
         self.backend.destroy()
         self._destroyed = True
 
@@ -328,7 +332,7 @@ class Buffer:
                 and expert_alignment >= 1):
             data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
             if type(data) is torch.Tensor and (scales is None or type(scales) is torch.Tensor):
-                replay = handle.replays.get((_CACHED_DISPATCH, num_sms, scales is None))
+                replay = handle_replay(self._handle_replays, (_CACHED_DISPATCH, num_sms, scales is None), handle)
                 recv_x = replay(data, scales) if replay is not None else None
                 if recv_x is not None:
                     return recv_x, None, None, None, None, _NO_EVENT
@@ -347,7 +351,8 @@ class Buffer:
             scope.keep(result.recv_x, result.recv_x_scales, result.recv_topk_idx, result.recv_topk_weights)
         recv_x = result.recv_x if scales is None else (result.recv_x, result.recv_x_scales)
         if handle is not None:
-            handle.replays.learn((_CACHED_DISPATCH, config.num_sms, scales is None), result.replay)
+            learn_handle_replay(self._handle_replays, (_CACHED_DISPATCH, config.num_sms, scales is None), handle,
+                                result.replay)
             return recv_x, None, None, None, None, scope.event
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights,
                 result.num_recv_tokens_per_expert_list, result.handle, scope.event)
@@ -383,7 +388,7 @@ class Buffer:
         num_sms = self._plain_num_sms(handle, config, previous_event, async_finish, allocate_on_comm_stream)
         if (num_sms and type(x) is torch.Tensor and (topk_weights is None or type(topk_weights) is torch.Tensor)
                 and bias is None):
-            replay = handle.replays.get((_COMBINE, num_sms, topk_weights is None))
+            replay = handle_replay(self._handle_replays, (_COMBINE, num_sms, topk_weights is None), handle)
             combined = replay(x, topk_weights) if replay is not None else None
             if combined is not None:
                 return combined[0], combined[1], _NO_EVENT
@@ -396,7 +401,8 @@ class Buffer:
             result = self.backend.combine(request)
             scope.keep(result.combined_x, result.combined_topk_weights)
         if request.bias == (None, None):
-            handle.replays.learn((_COMBINE, config.num_sms, topk_weights is None), result.replay)
+            learn_handle_replay(self._handle_replays, (_COMBINE, config.num_sms, topk_weights is None), handle,
+                                result.replay)
         return result.combined_x, result.combined_topk_weights, scope.event
 
     # ------------------------------------------------------------------ low-latency mode

@@ -25,7 +25,6 @@ from tritonep.backends.base import CombineRequest, CombineResult, DispatchReques
 from tritonep.backends.nvlink.memory import MAX_CHANNELS, StagingLayout, SymmetricBuffer
 from tritonep.backends.nvlink.normal.combine_copy_engine import (
     CombineCopier,
-    combine_copies,
     driver_memory_operations,
     piece_ratio,
     pieces_per_peer,
@@ -38,7 +37,7 @@ from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
 from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
 from tritonep.backends.nvlink.normal.notify_kernel import check_word
-from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay, CopyReceive
+from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay, CopyReceive, Rebinding
 from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
 from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
 from tritonep.backends.nvlink.tuning import (
@@ -218,7 +217,7 @@ class NormalEngine:
             nonlocal launched
             pad = request.num_worst_tokens > 0 and request.pad_outputs
             outputs = dispatch_outputs(x, scales, shape, has_topk, rows, pad, self.device,
-                                       self._cached_recv_src(plan, rows) if handle is not None else None)
+                                       plan.recv_src_scratch(rows, self.device) if handle is not None else None)
             output_args = (outputs[0].view(torch.int32),
                            outputs[1].view(torch.int32) if scales is not None else outputs[4],
                            outputs[2] if has_topk else self.placeholders(torch.int64),
@@ -256,9 +255,7 @@ class NormalEngine:
             # Every program sends (and copies our own rows); the copy engines receive.
             start = self.dispatch_copier.mark()
             outputs = receive(num_out_rows, roles="copy")
-            if plan.combine_copies is None:
-                plan.combine_copies = combine_copies(plan.counts, self.rank)
-            receivers, ranges = COPY_RECEIVERS, staged_ranges(plan.combine_copies)
+            receivers, ranges = COPY_RECEIVERS, staged_ranges(plan.copy_blocks(self.rank))
             # Rows, then the fields the call returns (a cached dispatch's source indices are the
             # handle's: never copied).
             regions = [(offset, out) for offset, out in zip(shape.staging[2:6], outputs[:4]) if out is not None]
@@ -274,9 +271,10 @@ class NormalEngine:
         if handle is not None and request.num_worst_tokens == 0:
             side = CopyReceive(self.dispatch_copier, ranges, shape.staging[2], shape.staging[3],
                                shape.copy_programs) if copy_receive else None
+            rebinding = Rebinding(self.rank, R, shape.capacity, copy_engine_receives(t.copy_engine_dispatch, R))
             replay = CachedDispatchReplay.learn(
                 state, x, scales, launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
-                receivers, state.dispatch_epoch, state.dispatch_released - receivers, release_due, side)
+                receivers, state.dispatch_epoch, state.dispatch_released - receivers, release_due, rebinding, side)
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
@@ -290,13 +288,6 @@ class NormalEngine:
         from its count exchange and send plan (``expert_layout_kernel.py``)."""
         plan: SendPlan = request.handle.backend_state
         return self.expert_layouts(request, plan.exchange, plan.send_pos, self.state.launch_generation)
-
-    def _cached_recv_src(self, plan: SendPlan, rows: int) -> torch.Tensor:
-        """Where a cached dispatch's receive half writes the source indices it does not return:
-        one scratch tensor per handle (every such call writes the same values)."""
-        if plan.cached_recv_src is None:
-            plan.cached_recv_src = torch.empty(rows, dtype=torch.int32, device=self.device)
-        return plan.cached_recv_src
 
     # ------------------------------------------------------------------ combine
     def combine(self, request: CombineRequest) -> CombineResult:
@@ -361,9 +352,7 @@ class NormalEngine:
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
             pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)
-            if plan.combine_copies is None:
-                plan.combine_copies = combine_copies(plan.counts, self.rank)
-            self.copier.fork(x, topk_weights, plan.combine_copies, handle.rank_prefix_matrix, regions, pieces)
+            self.copier.fork(x, topk_weights, plan.copy_blocks(self.rank), handle.rank_prefix_matrix, regions, pieces)
             reducers = max(1, min(config.num_sms, MAX_CHANNELS, self._max_reducers))
             # One tail word per peer: its pieces publish the rows delivered so far.
             launch = COMBINE(reducers, setup + (0, reducers, 1), args, constants(0, reducers, 1), t.warps)
@@ -378,5 +367,6 @@ class NormalEngine:
         if bias[0] is None and bias[1] is None:   # the next such call may replay this launch
             replay = CombineReplay.learn(
                 state, self.copier if pieces else None, x, topk_weights, handle, launch, out, out_weights,
-                num_tokens, reducers, pieces, regions, state.combine_epoch, state.combine_released - reducers)
+                num_tokens, reducers, pieces, regions, state.combine_epoch, state.combine_released - reducers,
+                Rebinding(self.rank, R, capacity, t.copy_engine_combine))
         return CombineResult(out, out_weights, replay)

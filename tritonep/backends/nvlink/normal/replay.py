@@ -37,10 +37,10 @@ import torch
 
 from tritonep.backends.nvlink.normal.combine_copy_engine import CombineCopier
 from tritonep.backends.nvlink.normal.combine_kernel import combine_kernel
-from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier
+from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier, staged_ranges
 from tritonep.backends.nvlink.normal.dispatch_kernel import dispatch_kernel
 from tritonep.backends.nvlink.normal.state import NormalState
-from tritonep.runtime.launcher import argument_positions, current_stream
+from tritonep.runtime.launcher import argument_positions, current_stream, respecialised
 from tritonep.runtime.side_streams import SideGraphs
 
 if TYPE_CHECKING:
@@ -56,6 +56,11 @@ if TYPE_CHECKING:
 (_C_X, _C_X_WORDS, _C_BIAS0, _C_BIAS1, _C_WEIGHTS, _C_TOPK_IDX, _C_OUT, _C_OUT_WEIGHTS, _C_EPOCH,
  _C_RELEASED) = argument_positions(combine_kernel, "x_ptr", "x_words_ptr", "bias0_ptr", "bias1_ptr", "weights_ptr",
                                    "topk_idx_ptr", "out_ptr", "out_weights_ptr", "epoch", "released_target")
+# And where the handle's values go, which ``rebind`` rewrites.
+_D_TOKEN_LIST, _D_TOKEN_LIST_STRIDE, _D_PREFIX, _D_ROWS, _D_OUT_SRC = argument_positions(
+    dispatch_kernel, "token_list_ptr", "token_list_stride", "prefix_ptr", "num_out_rows", "out_src_ptr")
+_C_PREFIX, _C_IN_RANK, _C_SEND_POS, _C_TOKENS = argument_positions(
+    combine_kernel, "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "num_tokens")
 
 
 # Graphs of copy-engine side work a replay keeps (each a few KB of driver memory).
@@ -74,15 +79,45 @@ def _layout(tensor: torch.Tensor | None) -> tuple | None:
     return tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device()
 
 
+def _with_rows(layout: tuple | None, rows: int) -> tuple | None:
+    """``layout`` (of a row-major tensor) with ``rows`` rows: the strides stay."""
+    if layout is None:
+        return None
+    dtype, shape, stride, device = layout
+    return dtype, torch.Size((rows, *shape[1:])), stride, device
+
+
+class Rebinding(NamedTuple):
+    """What a replay checks before it makes its call with another handle (``rebind``), as the
+    general path would: this rank, the rank count, the rows the staging area holds for the
+    call's rows, and whether the engine's tuning sends them over the copy engines when the
+    handle's counts are on the host."""
+
+    rank: int
+    num_ranks: int
+    capacity: int
+    copy_engine: bool
+
+
 class _HandleReplay:
     """What both replays check first: the engine's state and the input layout they learnt."""
 
-    __slots__ = ("state", "launch_generation", "status_view", "device", "layout")
+    __slots__ = ("state", "launch_generation", "status_view", "device", "layout", "rebinding")
 
-    def __init__(self, state: NormalState, main: torch.Tensor, other: torch.Tensor | None) -> None:
+    def __init__(self, state: NormalState, main: torch.Tensor, other: torch.Tensor | None,
+                 rebinding: Rebinding) -> None:
         self.state, self.launch_generation = state, state.launch_generation
         self.status_view, self.device = state.status.view, state.device
         self.layout = (_layout(main), _layout(other))
+        self.rebinding = rebinding
+
+    def _copy(self) -> Any:
+        """A shallow copy (what ``rebind`` starts from)."""
+        copy = object.__new__(type(self))
+        for cls in type(self).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                setattr(copy, name, getattr(self, name))
+        return copy
 
     def fitting_addresses(self, main: torch.Tensor, other: torch.Tensor | None) -> tuple[int, int] | None:
         """(main's address, other's or else main's) when a call with these inputs fits what this
@@ -118,8 +153,8 @@ class CachedDispatchReplay(_HandleReplay):
     __slots__ = ("rows", "scale_words", "receivers", "launch", "args", "copy_receive", "graphs")
 
     def __init__(self, state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, rows: int,
-                 scale_words: int, receivers: int, copy_receive: CopyReceive | None) -> None:
-        super().__init__(state, x, scales)
+                 scale_words: int, receivers: int, copy_receive: CopyReceive | None, rebinding: Rebinding) -> None:
+        super().__init__(state, x, scales, rebinding)
         self.rows, self.scale_words, self.receivers = rows, scale_words, receivers
         self.launch, self.args = launch, list(launch.args)
         self.copy_receive = copy_receive
@@ -129,7 +164,7 @@ class CachedDispatchReplay(_HandleReplay):
     @staticmethod
     def learn(state: NormalState, x: torch.Tensor, scales: torch.Tensor | None, launch: Any, recv_x: torch.Tensor,
               recv_scales: torch.Tensor | None, rows: int, scale_words: int, receivers: int, epoch: int,
-              released: int, release_due: int, copy_receive: CopyReceive | None = None
+              released: int, release_due: int, rebinding: Rebinding, copy_receive: CopyReceive | None = None
               ) -> CachedDispatchReplay | None:
         """The replay of the cached dispatch the general path just launched (``launch``: the
         compiled launch it made; ``copy_receive``: its side work, if the copy engines received),
@@ -145,7 +180,34 @@ class CachedDispatchReplay(_HandleReplay):
             values[_D_OUT_SCALES] = recv_scales.data_ptr()
         if not _holds(launch, values):
             return None
-        return CachedDispatchReplay(state, x, scales, launch, rows, scale_words, receivers, copy_receive)
+        return CachedDispatchReplay(state, x, scales, launch, rows, scale_words, receivers, copy_receive, rebinding)
+
+    def rebind(self, handle: DispatchHandle) -> CachedDispatchReplay | None:
+        """This cached dispatch with another handle of the engine's (a new handle's first one:
+        training routes anew every step), or None where the general path must decide: the
+        handle was made for another token count, its rows do not fit, it receives another way,
+        or one of its tensors falls into another specialisation than the launch's."""
+        plan, fit = handle.backend_state, self.rebinding
+        rows = handle.num_recv_rows
+        x_layout, scales_layout = self.layout
+        copy_receive = self.copy_receive
+        if (handle.is_token_in_rank.shape[0] != x_layout[1][0] or rows > fit.capacity
+                or (fit.copy_engine and plan.host_counts(fit.num_ranks) is not None) != (copy_receive is not None)):
+            return None
+        scratch = plan.recv_src_scratch(rows, self.device).data_ptr()
+        values = {_D_TOKEN_LIST: plan.token_list.data_ptr(), _D_TOKEN_LIST_STRIDE: plan.token_list.stride(0),
+                  _D_PREFIX: handle.rank_prefix_matrix.data_ptr(), _D_ROWS: rows, _D_OUT_SRC: scratch}
+        if scales_layout is None:   # the scales' place holds the source indices' scratch (engine.py)
+            values[_D_OUT_SCALES] = scratch
+        args = respecialised(dispatch_kernel, self.args, values)
+        if args is None:
+            return None
+        replay = self._copy()
+        replay.rows, replay.args = rows, args
+        if copy_receive is not None:
+            replay.copy_receive = copy_receive._replace(ranges=staged_ranges(plan.copy_blocks(fit.rank)))
+            replay.graphs = SideGraphs(self.state.peer_streams, GRAPHS_PER_REPLAY)
+        return replay
 
     def __call__(self, x: torch.Tensor, scales: torch.Tensor | None) -> Any:
         """recv_x (or (recv_x, recv_scales)) of the cached dispatch, or None: take the general path."""
@@ -192,8 +254,8 @@ class CombineReplay(_HandleReplay):
 
     def __init__(self, state: NormalState, copier: CombineCopier | None, x: torch.Tensor,
                  topk_weights: torch.Tensor | None, handle: DispatchHandle, launch: Any, num_tokens: int,
-                 reducers: int, pieces: int, regions: list[int]) -> None:
-        super().__init__(state, x, topk_weights)
+                 reducers: int, pieces: int, regions: list[int], rebinding: Rebinding) -> None:
+        super().__init__(state, x, topk_weights, rebinding)
         # What the copy-engine side work reads of the handle (not the handle itself: the replay
         # lives in the handle's table, and a cycle would keep its tensors until the cyclic GC).
         self.copier, self.copies = copier, handle.backend_state.combine_copies
@@ -209,7 +271,7 @@ class CombineReplay(_HandleReplay):
     def learn(state: NormalState, copier: CombineCopier | None, x: torch.Tensor, topk_weights: torch.Tensor | None,
               handle: DispatchHandle, launch: Any, out: torch.Tensor, out_weights: torch.Tensor | None,
               num_tokens: int, reducers: int, pieces: int, regions: list[int], epoch: int,
-              released: int) -> CombineReplay | None:
+              released: int, rebinding: Rebinding) -> CombineReplay | None:
         """The replay of the combine (without bias) the general path just launched, or None when
         it made no compiled launch or the launch's list does not hold this call's values.
         ``pieces``: pieces per peer on the copy engines (``copier``'s side work), 0 when SM
@@ -223,7 +285,33 @@ class CombineReplay(_HandleReplay):
                   _C_EPOCH: epoch, _C_RELEASED: released}
         if not _holds(launch, values):
             return None
-        return CombineReplay(state, copier, x, topk_weights, handle, launch, num_tokens, reducers, pieces, regions)
+        return CombineReplay(state, copier, x, topk_weights, handle, launch, num_tokens, reducers, pieces, regions,
+                             rebinding)
+
+    def rebind(self, handle: DispatchHandle) -> CombineReplay | None:
+        """This combine with another handle of the engine's (a new handle's first combine), its
+        rows ``handle.num_recv_rows``; or None where the general path must decide: expert ids of
+        the handle's own in the launch (V2's weights), rows that do not fit, rows that cross
+        another way, or a tensor in another specialisation than the launch's."""
+        plan, fit = handle.backend_state, self.rebinding
+        counts = plan.host_counts(fit.num_ranks)
+        if (not self.ids_placeholder or (fit.copy_engine and counts is not None) != bool(self.pieces)
+                or (plan.max_send_rows is not None and plan.max_send_rows > fit.capacity)):
+            return None
+        in_rank = handle.is_token_in_rank
+        args = respecialised(combine_kernel, self.args, {
+            _C_PREFIX: handle.rank_prefix_matrix.data_ptr(), _C_IN_RANK: in_rank.data_ptr(),
+            _C_SEND_POS: plan.send_pos.data_ptr(), _C_TOKENS: in_rank.shape[0]})
+        if args is None:
+            return None
+        replay = self._copy()
+        rows = handle.num_recv_rows
+        replay.layout = (_with_rows(self.layout[0], rows), _with_rows(self.layout[1], rows))
+        replay.args, replay.num_tokens = args, in_rank.shape[0]
+        replay.rank_prefix_matrix = handle.rank_prefix_matrix
+        replay.copies = plan.copy_blocks(fit.rank) if self.pieces else None
+        replay.graphs = SideGraphs(self.state.peer_streams, GRAPHS_PER_REPLAY)
+        return replay
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tritonep.backends.nvlink.normal.combine_copy_engine import combine_copies
 from tritonep.core.routing import count_rows_from_prefix
 from tritonep.runtime.side_streams import PeerStreams
 from tritonep.runtime.status import StatusWord
@@ -89,6 +90,20 @@ class SendPlan:
     # Cached dispatches of this handle: where their receive half writes the source indices,
     # which a cached dispatch does not return (made by the first one).
     cached_recv_src: torch.Tensor | None = None
+
+    def copy_blocks(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """``combine_copies``, worked out from ``counts`` (``host_counts`` first) the first time."""
+        if self.combine_copies is None:
+            assert self.counts is not None
+            self.combine_copies = combine_copies(self.counts, rank)
+        return self.combine_copies
+
+    def recv_src_scratch(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Where a cached dispatch's receive half writes the source indices it does not return:
+        one scratch tensor per handle (every such call writes the same values)."""
+        if self.cached_recv_src is None:
+            self.cached_recv_src = torch.empty(rows, dtype=torch.int32, device=device)
+        return self.cached_recv_src
 
     def host_counts(self, num_ranks: int) -> list[list[int]] | None:
         """``counts`` (and ``max_send_rows``), worked out from ``host_prefix`` the first time; None
