@@ -322,7 +322,7 @@ def test_gpu_transport_race_loop(transport_pool) -> None:
 def test_nvshmem_kernels_compile_for_hopper() -> None:
     """Every low-latency kernel's NVSHMEM variant compiles for sm_90 with NVSHMEM's device library
     linked, and calls NVSHMEM (a module that calls none must not be initialised: findings)."""
-    from test_kernels_compile import BF16, F32, I8, I32, I64, LOW_LATENCY_MODES, compile_for_hopper
+    from test_kernels_compile import BF16, F32, I8, I32, I64, LOW_LATENCY_MODES, compile_all_for_hopper
 
     from tritonep.backends.internode.memory import require_nvshmem
     from tritonep.backends.nvlink.low_latency.clean_kernel import low_latency_clean_kernel
@@ -340,9 +340,9 @@ def test_nvshmem_kernels_compile_for_hopper() -> None:
     libraries = (("libnvshmem_device", NvshmemLibFinder.find_device_library()),)
     common = dict(mask_ptr=I32, peer_base_ptrs=I64, area=0, my_area=1 << 36, rank=1, status_address=1 << 40,
                   timeout_ns=60 * 10**9, num_max_tokens=128, experts_per_rank=32, send_area=(1 << 36) + (1 << 30))
-    compiled = []
+    jobs = []
     for do_send, do_recv in LOW_LATENCY_MODES:
-        compiled.append(compile_for_hopper(
+        jobs.append((
             low_latency_dispatch_kernel,
             dict(common, x_ptr=BF16, x_row_stride=7168, topk_idx_ptr=I64, num_tokens=128, out_x_ptr=I32,
                  out_scales_ptr=F32, out_src_info_ptr=I32, out_topk_slot_ptr=I8, out_layout_range_ptr=I64,
@@ -352,8 +352,8 @@ def test_nvshmem_kernels_compile_for_hopper() -> None:
                  ROUND_SCALE=False, USE_UE8M0=False, HAS_RECV_STATS=False, HAS_WAIT_STATS=False, HAS_MASK=True,
                  DO_SEND=do_send, DO_RECV=do_recv, GROUPS_PAD=64, RANKS_PAD=4, TOPK_PAD=8, RECV_ROWS=4, BLOCK=2048,
                  TRANSPORT=NVSHMEM),
-            num_warps=16, extern_libs=libraries))
-        compiled.append(compile_for_hopper(
+            16, libraries))
+        jobs.append((
             low_latency_combine_kernel,
             dict(common, x_ptr=I32, expert_stride=512 * 7168, row_stride=7168, src_info_ptr=I32, topk_slot_ptr=I8,
                  layout_range_ptr=I64, topk_idx_ptr=I64, topk_weights_ptr=F32, num_tokens=128, out_ptr=BF16,
@@ -362,10 +362,10 @@ def test_nvshmem_kernels_compile_for_hopper() -> None:
             dict(NUM_RANKS=4, RANKS_PAD=4, HIDDEN=7168, NUM_TOPK=8, TOPK_PAD=8, HAS_WAIT_STATS=False,
                  HAS_MASK=False, DO_SEND=do_send, DO_RECV=do_recv, ROWS=2, BLOCK=2048, REDUCE_BLOCK=2048,
                  TRANSPORT=NVSHMEM),
-            num_warps=16, extern_libs=libraries))
-    compiled.append(compile_for_hopper(
+            16, libraries))
+    jobs.append((
         low_latency_clean_kernel,
         dict(peer_base_ptrs=I64, mask_ptr=I32, area=0, rank=1, status_address=1 << 40, timeout_ns=60 * 10**9),
-        dict(NUM_RANKS=4, RANKS_PAD=4, HAS_MASK=False, BLOCK=1024, TRANSPORT=NVSHMEM), extern_libs=libraries))
-    for kernel in compiled:
-        assert "nvshmem" in kernel.asm["ptx"], kernel.metadata.name
+        dict(NUM_RANKS=4, RANKS_PAD=4, HAS_MASK=False, BLOCK=1024, TRANSPORT=NVSHMEM), 4, libraries))
+    for (kernel, *_), ptx in zip(jobs, compile_all_for_hopper(jobs)):
+        assert "nvshmem" in ptx, kernel.fn.__name__

@@ -9,6 +9,11 @@ Pointer arguments are given by dtype, integers by an example value.
 
 from __future__ import annotations
 
+import importlib
+import os
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
 import pytest
 import torch
 
@@ -53,6 +58,32 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int = 4,
     entry = mangled(kernel.profiler_name)
     assert compiled.metadata.name == entry and f".entry {entry}(" in compiled.asm["ptx"], compiled.metadata.name
     return compiled
+
+
+def _compile_ptx(module: str, name: str, args: dict, constexprs: dict, num_warps: int, extern_libs: tuple) -> str:
+    """``compile_for_hopper`` of the kernel ``module.name`` (in a worker process): its PTX."""
+    kernel = getattr(importlib.import_module(module), name)
+    return compile_for_hopper(kernel, args, constexprs, num_warps, extern_libs).asm["ptx"]
+
+
+def compile_all_for_hopper(jobs: list[tuple]) -> list[str]:
+    """The PTX of ``compile_for_hopper`` of each job, (kernel, args, constexprs, num_warps,
+    extern_libs), built in processes of their own at once: a kernel that links NVSHMEM's device
+    library takes several seconds to build, and a test of several would wait for each in turn."""
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_compile_ptx, kernel.fn.__module__, kernel.fn.__name__, *rest)
+                   for kernel, *rest in jobs]
+        return [future.result() for future in futures]
+
+
+def test_compiling_at_once_builds_what_one_by_one_builds() -> None:
+    jobs = [(low_latency_clean_kernel,
+             dict(peer_base_ptrs=I64, mask_ptr=I32, area=1 << 16, rank=1, status_address=1 << 40,
+                  timeout_ns=60 * 10**9),
+             dict(NUM_RANKS=num_ranks, RANKS_PAD=_pow2(num_ranks), HAS_MASK=True, BLOCK=1024, TRANSPORT=STORES), 4, ())
+            for num_ranks in (2, 3)]
+    assert compile_all_for_hopper(jobs) == [compile_for_hopper(*job).asm["ptx"] for job in jobs]
 
 
 @pytest.mark.parametrize("num_topk,num_ranks,num_experts", [(8, 2, 256), (6, 8, 256), (1, 4, 4), (9, 1, 288)])
