@@ -86,22 +86,31 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
                                                      num_experts=EXPERTS, num_sms=NUM_SMS)
     rows = recv_x.shape[0]
     engine_handle = handle._state.engine_handle
+    # A handle of new routing (made here: its kernels run), whose first calls rebind the replays
+    # learnt with ``handle``.
+    other_topk = torch.rand(TOKENS, EXPERTS, generator=generator, dtype=torch.float32).topk(TOPK, dim=1).indices
+    other_recv_x, _, other_weights, other, _ = v2.dispatch(bf16(), topk_idx=other_topk, topk_weights=weights,
+                                                           num_experts=EXPERTS, num_sms=NUM_SMS)
     problems: list[str] = []
 
-    def both_paths(call: Callable[[], tuple], counters: tuple[str, str], what: str) -> None:
-        """``call`` through its replay, then through the general path, from the same counters."""
+    def both_paths(call: Callable[[], tuple], counters: tuple[str, str], what: str,
+                   subject: deep_ep.EPHandle | None = None) -> None:
+        """``call`` through its replay, then through the general path, from the same counters.
+        ``subject``: a handle whose first call this is (its replay is another handle's, rebound)."""
         before = tuple(getattr(state, counter) for counter in counters)
-        learnt, runs = engine_handle.replays, []
+        target = engine_handle if subject is None else subject._state.engine_handle
+        learnt, latest, runs = target.replays, v2._engine.handle_replays, []
         for through_replay in (True, False):
             for counter, value in zip(counters, before):
                 setattr(state, counter, value)
-            engine_handle.replays = learnt if through_replay else ReplayTable()
+            target.replays = learnt if through_replay and subject is None else ReplayTable()
+            v2._engine.handle_replays = latest if through_replay else ReplayTable()
             RecordedLaunch.log = []
             result = call()
             outputs = tuple(item for item in result if not isinstance(item, deep_ep.EPHandle))[:3]
             runs.append((named_launches(RecordedLaunch.log, outputs), result_shapes(outputs),
                          tuple(getattr(state, counter) for counter in counters)))
-        engine_handle.replays = learnt
+        target.replays, v2._engine.handle_replays = learnt, latest
         if runs[0] != runs[1]:
             problems.append(f"{what}: replay {runs[0]} != general {runs[1]}")
 
@@ -135,6 +144,17 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             wanted = {"cached_dispatch": 2 * CALLS + 1, "combine": 2 * CALLS, "low_latency": 0}
             if taken != wanted:
                 problems.append(f"replays served {taken}, expected {wanted}")
+            # A new handle's first calls rebind the latest replays, but for the combine with
+            # weights (its replay reads the expert ids of the handle it learnt with).
+            for make_x in (bf16, fp8):
+                both_paths(functools.partial(v2.dispatch, make_x(), handle=other, num_sms=NUM_SMS), DISPATCH_COUNTERS,
+                           "rebound cached dispatch", other)
+            for topk_weights in (other_weights, None):
+                both_paths(functools.partial(v2.combine, bf16(other_recv_x.shape[0]), other, topk_weights),
+                           COMBINE_COUNTERS, "rebound combine", other)
+            wanted = {"cached_dispatch": 2 * CALLS + 3, "combine": 2 * CALLS + 1, "low_latency": 0}
+            if taken != wanted:
+                problems.append(f"replays served {taken} with a new handle, expected {wanted}")
             # Wrong inputs: the replays decline or are not asked, the general path raises.
             expect_error(lambda: v2.dispatch(bf16(hidden=2 * HIDDEN)[:, :HIDDEN], handle=handle, num_sms=NUM_SMS),
                          "contiguous")

@@ -249,6 +249,7 @@ class ElasticBuffer:
         """Release the buffers (collective). Only allowed with ``explicitly_destroy=True``."""
         require(self.explicitly_destroy, "destroy() is only for ElasticBuffers made with explicitly_destroy=True")
         self._check_alive()
+        self._engine.handle_replays.clear()
         self.backend.destroy()
         self.runtime = None
 
@@ -341,7 +342,7 @@ class ElasticBuffer:
                 and do_expand is handle.do_expand and (do_expand or not do_zero_padding)):
             data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
             if type(data) is torch.Tensor and (scales is None or type(scales) is torch.Tensor):
-                received = calls.replayed_dispatch(handle, data, scales, num_sms or self._default_num_sms,
+                received = calls.replayed_dispatch(self._engine, handle, data, scales, num_sms or self._default_num_sms,
                                                    do_zero_padding, use_tma_aligned_col_major_sf)
                 if received is not None:
                     return _dispatch_outputs(received, EventOverlap())
@@ -406,7 +407,7 @@ class ElasticBuffer:
                                               and topk_weights.dtype is torch.float32
                                               and topk_weights.shape == handle._state.recv_topk_idx.shape
                                               and topk_weights.device == x.device))):
-            combined = calls.replayed_combine(handle, x, topk_weights, num_sms or handle.num_sms)
+            combined = calls.replayed_combine(self._engine, handle, x, topk_weights, num_sms or handle.num_sms)
             if combined is not None:
                 return combined[0], combined[1], EventOverlap()
         self._check_alive()

@@ -23,6 +23,7 @@ from tritonep.backends.base import Backend, CombineRequest, DispatchRequest, Dis
 from tritonep.core.config import Config
 from tritonep.core.event import EventOverlap
 from tritonep.core.expert_layout import ExpertLayoutRequest, expand_weights
+from tritonep.core.replay import ReplayTable, handle_replay, learn_handle_replay
 from tritonep.v2 import expand
 from tritonep.v2.checks import CombineCall, DispatchCall
 from tritonep.v2.handle import EPHandle, HandleState
@@ -44,6 +45,9 @@ class Engine:
     num_scaleup_ranks: int
     buffer_id: int
     configs: dict[int, Config] = field(default_factory=dict)   # per num_sms: the backends only read them
+    # The latest cached dispatch and combine replays of any engine handle, by their keys: a new
+    # handle's first such call rebinds one (core/replay.py).
+    handle_replays: ReplayTable = field(default_factory=ReplayTable)
 
     def config(self, num_sms: int) -> Config:
         """The engine Config for ``num_sms`` programs, made once per count."""
@@ -157,13 +161,13 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
                     recv_weights if call.topk_weights is not None else None, handle)
 
 
-def replayed_dispatch(handle: EPHandle, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int,
+def replayed_dispatch(engine: Engine, handle: EPHandle, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int,
                       do_zero_padding: bool, col_major_sf: bool) -> Received | None:
     """A cached dispatch without top-k weights, on the caller's stream, through the replay its
-    engine handle learnt; None when there is none yet or ``x`` does not fit it (the general path
-    then checks everything)."""
+    engine handle learnt (or another handle's, rebound to it); None when there is none yet or
+    ``x`` does not fit it (the general path then checks everything)."""
     state = handle._state
-    replay = state.engine_handle.replays.get((_CACHED_DISPATCH, num_sms, scales is None))
+    replay = handle_replay(engine.handle_replays, (_CACHED_DISPATCH, num_sms, scales is None), state.engine_handle)
     replayed = replay(x, scales) if replay is not None else None
     if replayed is None:
         return None
@@ -187,7 +191,8 @@ def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rec
             is_token_in_rank=engine_handle.is_token_in_rank, num_tokens_per_rank=None, num_tokens_per_expert=None,
             num_experts=0, expert_alignment=call.expert_alignment, num_worst_tokens=0,
             cached_handle=engine_handle, config=engine.config(options.num_sms)))
-        engine_handle.replays.learn((_CACHED_DISPATCH, options.num_sms, call.scales is None), result.replay)
+        learn_handle_replay(engine.handle_replays, (_CACHED_DISPATCH, options.num_sms, call.scales is None),
+                            engine_handle, result.replay)
         recv_x, recv_scales = result.recv_x, result.recv_x_scales
     else:
         # The rows come in the same order as the handle's (the engines' order is fixed by the
@@ -225,7 +230,7 @@ def _cached_outputs(handle: EPHandle, recv_x: torch.Tensor, recv_scales: torch.T
     return Received(recv_x, _col_major(recv_scales, col_major_sf), recv_idx, recv_weights, handle)
 
 
-def replayed_combine(handle: EPHandle, x: torch.Tensor, topk_weights: torch.Tensor | None,
+def replayed_combine(engine: Engine, handle: EPHandle, x: torch.Tensor, topk_weights: torch.Tensor | None,
                      num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A combine of a non-expanded handle without bias, on the caller's stream, through the
     replay its engine handle learnt: (combined_x, combined_topk_weights), or None as in
@@ -235,7 +240,7 @@ def replayed_combine(handle: EPHandle, x: torch.Tensor, topk_weights: torch.Tens
     state = handle._state
     if topk_weights is not None and handle.topk_idx is not state.topk_idx:
         return None
-    replay = state.engine_handle.replays.get((_COMBINE, num_sms, topk_weights is None))
+    replay = handle_replay(engine.handle_replays, (_COMBINE, num_sms, topk_weights is None), state.engine_handle)
     if replay is None:
         return None
     return replay(x, topk_weights)
@@ -269,5 +274,6 @@ def combine(engine: Engine, call: CombineCall, num_sms: int,
                                                    engine.config(num_sms), slots_of_rank))
     # A replay with weights reads the topk_idx it learnt with; only the handle's own is kept alive.
     if no_bias and (slots_of_rank is None or slots_of_rank.topk_idx is state.topk_idx):
-        state.engine_handle.replays.learn((_COMBINE, num_sms, weights is None), result.replay)
+        learn_handle_replay(engine.handle_replays, (_COMBINE, num_sms, weights is None), state.engine_handle,
+                            result.replay)
     return result.combined_x, result.combined_topk_weights
