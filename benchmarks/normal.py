@@ -156,11 +156,13 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
     # program sending (dispatch_copy_engine.py), on and off whatever the default, through the
     # driver or torch (copy_driver), with 32 and 16 warps; sender_fraction 1/3: the SM receive's
     # best split at EP4; combine_pieces: how the copy-engine combine cuts each peer's block;
-    # tokens and combine_block: the combine's reduction tile.
+    # combine_copy_streams: the peers' pieces on a side stream each; tokens and combine_block:
+    # the combine's reduction tile.
     variants = [dict(), dict(copy_engine_dispatch=True), dict(copy_engine_dispatch=False),
                 dict(copy_engine_dispatch=True, copy_driver=False), dict(copy_engine_dispatch=True, warps=16),
-                dict(warps=16), dict(sender_fraction=1 / 3), dict(combine_pieces=3),
-                dict(tokens=16, combine_block=2048), dict(tokens=32, combine_block=1024)]
+                dict(warps=16), dict(sender_fraction=1 / 3), dict(combine_pieces=3), dict(combine_copy_streams=3),
+                dict(combine_copy_streams=3, combine_pieces=4), dict(tokens=16, combine_block=2048),
+                dict(tokens=32, combine_block=1024)]
     results = []
     for change in variants:
         with changed_tuning(buffer, **change) as fields:

@@ -65,7 +65,7 @@ def test_interpreter_matches_cpu_backend(interpreter_pools, case: Case) -> None:
 TUNING_VARIANTS = [dict(combine_pieces=1), dict(combine_pieces=3, combine_piece_ratio=1.0),
                    dict(combine_pieces=4, combine_piece_ratio=0.3), dict(copy_engine_combine=False),
                    dict(send_before_sync=False), dict(rows=4), dict(rows=8, sender_fraction=0.75),
-                   dict(copy_engine_dispatch=True)]
+                   dict(copy_engine_dispatch=True), dict(combine_copy_streams=2, combine_pieces=2)]
 
 
 @pytest.mark.parametrize("tuning", TUNING_VARIANTS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
@@ -190,12 +190,14 @@ def test_gpu_variants(gpu_pool) -> None:
 
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("tuning", [dict(copy_driver=False), dict(combine_pieces=3),
-                                    dict(combine_pieces=1, copy_driver=False), dict(copy_engine_combine=False)],
+                                    dict(combine_pieces=1, copy_driver=False), dict(copy_engine_combine=False),
+                                    dict(combine_copy_streams=3)],
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_gpu_combine_piece_paths(gpu_pool, tuning: dict) -> None:
     """Both ways the combine's pieces cross to the peers (driver copies and stream writes when
     cuda-bindings is installed, else torch copies and a signal kernel each), with top-k weights
-    and several piece counts, and the combine whose SM programs push the rows; each call made
+    and several piece counts, the peers spread over side streams, and the combine whose SM
+    programs push the rows; each call made
     twice, so that the second repeats the first's launches. (At one rank there are no pieces:
     run with 2+ ranks.)"""
     case = Case(seed=77, tokens=_tokens(gpu_pool, 1500, 900), hidden=7168, num_experts=_experts(gpu_pool, 64),

@@ -40,6 +40,12 @@ class Tuning:
     copy_engine_combine: bool = True
     combine_pieces: int = 0
     combine_piece_ratio: float = 0.0
+    # Side streams the copy-engine combine spreads its peers over (peer i of the call's list on
+    # stream i % N, each peer's pieces in order); 1: every piece on one stream, round by round
+    # over the peers. On several streams a copy engine need not idle while another stream's tail
+    # write waits for its copy; the side work of repeated calls is then issued op by op, not as a
+    # captured graph (which takes one stream).
+    combine_copy_streams: int = 1
     # The copy engines' work (those pieces, and the copy-engine dispatch receive below) through
     # the CUDA driver when cuda-bindings is installed: a copy and a stream write per piece, a copy
     # per range of the receive; False: torch's copies (and the pieces' signal kernel).
@@ -95,6 +101,7 @@ ENVIRONMENT = {
     "copy_engine_combine": "TRITONEP_COMBINE_COPY_ENGINE",
     "combine_pieces": "TRITONEP_COMBINE_PIECES",
     "combine_piece_ratio": "TRITONEP_COMBINE_PIECE_RATIO",
+    "combine_copy_streams": "TRITONEP_COMBINE_COPY_STREAMS",
     "copy_driver": "TRITONEP_COPY_DRIVER",
     "send_before_sync": "TRITONEP_SEND_BEFORE_SYNC",
     "receive_before_sync": "TRITONEP_RECEIVE_BEFORE_SYNC",

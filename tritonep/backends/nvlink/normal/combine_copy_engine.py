@@ -167,14 +167,17 @@ class CombineCopier:
 
     ``driver``: from ``driver_memory_operations``, or None for torch's copies and the signal
     kernel. ``owner``: a key that stands for ``memory``, ``rank`` and ``num_ranks`` in the
-    launches' setup keys (the engine's launch generation). ``piece_ratio``: see ``piece_ends``."""
+    launches' setup keys (the engine's launch generation). ``piece_ratio``: see ``piece_ends``.
+    ``copy_streams``: side streams the peers are spread over (``Tuning.combine_copy_streams``)."""
 
-    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner", "piece_ratio", "weights_done")
+    __slots__ = ("memory", "rank", "num_ranks", "streams", "driver", "owner", "piece_ratio", "copy_streams",
+                 "weights_done")
 
     def __init__(self, memory: SymmetricBuffer, streams: PeerStreams, driver: Any, owner: object,
-                 piece_ratio: float = 1.0) -> None:
+                 piece_ratio: float = 1.0, copy_streams: int = 1) -> None:
         self.memory, self.rank, self.num_ranks = memory, memory.rank, memory.num_ranks
         self.streams, self.driver, self.owner, self.piece_ratio = streams, driver, owner, piece_ratio
+        self.copy_streams = max(1, copy_streams)
         self.weights_done = torch.cuda.Event() if memory.local.device.type == "cuda" else None
 
     def fork(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
@@ -192,7 +195,10 @@ class CombineCopier:
             if self.weights_done is not None:
                 weights_done = self.weights_done
                 weights_done.record()   # on the current stream
-        self.streams.fork([self._job(x, copies, regions, pieces, weights_done)], after=start)
+        # Peer i of the list on stream i % N, each stream's peers round by round.
+        spread = min(self.copy_streams, len(copies))
+        self.streams.fork([self._job(x, copies[first::spread], regions, pieces, weights_done)
+                           for first in range(spread)], after=start)
 
     def _job(self, x: torch.Tensor, copies: list[tuple[int, int, int, int]], regions: list[int], pieces: int,
              weights_done: torch.cuda.Event | None) -> Callable[[], None]:
@@ -203,8 +209,9 @@ class CombineCopier:
 
     @property
     def captures(self) -> bool:
-        """Whether ``capture`` can make graphs here: the driver's copies, on streams that capture."""
-        return self.driver is not None and self.streams.captures
+        """Whether ``capture`` can make graphs here: the driver's copies on one side stream, on
+        streams that capture."""
+        return self.driver is not None and self.copy_streams == 1 and self.streams.captures
 
     def capture(self, x: torch.Tensor, topk_weights: torch.Tensor | None, copies: list[tuple[int, int, int, int]],
                 rank_prefix_matrix: torch.Tensor, regions: list[int], pieces: int) -> Any:
@@ -259,7 +266,7 @@ def driver_memory_operations(device: torch.device) -> Any:
 def combine_copy_job(x: torch.Tensor, copies: list[tuple[int, int, int, int]], peers: list[torch.Tensor],
                      peer_base_ptrs: torch.Tensor, staging_x: int, tail_index: int, pieces: int, piece_ratio: float,
                      weights_done: torch.cuda.Event | None, owner: object, driver: Any = None) -> Callable[[], None]:
-    """The side stream's job: every peer's block of ``x`` in ``pieces`` copies (``piece_ends``),
+    """A side stream's job: each peer's block of ``x`` in ``pieces`` copies (``piece_ends``),
     round by round over the peers, each copy followed by its tail word; the first tail word
     waits for ``weights_done`` (the weights kernel, when there is one).
 

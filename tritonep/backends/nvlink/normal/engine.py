@@ -98,7 +98,8 @@ class NormalEngine:
         self.copier = None if self._memory is None else CombineCopier(
             self._memory, state.peer_streams, self._driver if tuning.copy_driver else None,
             state.launch_generation,
-            piece_ratio(pieces_per_peer(self.num_ranks, tuning.combine_pieces), tuning.combine_piece_ratio))
+            piece_ratio(pieces_per_peer(self.num_ranks, tuning.combine_pieces), tuning.combine_piece_ratio),
+            tuning.combine_copy_streams)
         self.dispatch_copier = None if self._memory is None else DispatchCopier(
             self._memory, state, self._driver if tuning.copy_driver else None, state.launch_generation,
             self._status_args)
