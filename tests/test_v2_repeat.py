@@ -278,8 +278,9 @@ def test_fresh_dispatch_adds_one_launch_and_its_outputs(interpreter_pools) -> No
 
 
 def gpu_repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
-    """On GPUs, with the real kernels: repeated V2 calls are served by replays and give exactly
-    what the general path gives for the same inputs."""
+    """On GPUs, with the real kernels: repeated V2 calls are served by replays, and a new handle's
+    first calls by the latest replays rebound to it, and give exactly what the general path
+    gives for the same inputs."""
     from nvlink_cases import count_replays
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -299,22 +300,44 @@ def gpu_repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
     x, y = bf16(tokens), bf16(recv_x.shape[0])
     calls_by_kind = {"cached_dispatch": lambda: buffer.dispatch(x, handle=handle, num_sms=NUM_SMS)[:2],
                      "combine": lambda: buffer.combine(y, handle, recv_weights)[:2]}
+    engine = buffer._engine
     problems = []
     try:
         for kind, call in calls_by_kind.items():
             general = call()   # learns
-            learnt = engine_handle.replays
+            learnt, latest = engine_handle.replays, engine.handle_replays
             with count_replays() as taken:
-                engine_handle.replays = ReplayTable()
+                engine_handle.replays, engine.handle_replays = ReplayTable(), ReplayTable()
                 general = call()   # learns again, now counted
                 repeats = [call() for _ in range(CALLS)]
-            engine_handle.replays = learnt
+            engine_handle.replays, engine.handle_replays = learnt, latest
             torch.cuda.synchronize()
             if taken[kind] != CALLS:
                 problems.append(f"{kind}: replays served {taken[kind]} of {CALLS} repeats")
             for index, repeat in enumerate(repeats):
                 if not all(torch.equal(a, b) for a, b in zip(general, repeat)):
                     problems.append(f"{kind}: repeat {index} differs from the general path's result")
+        # A handle of new routing: its first cached dispatch and combine (without weights) are
+        # the latest replays rebound to it, then the same calls through the general path.
+        other_idx = torch.rand(tokens, experts, **cpu).topk(TOPK, dim=1).indices.to(device)
+        other_x, _, _, other, _ = buffer.dispatch(bf16(tokens), topk_idx=other_idx, num_experts=experts,
+                                                  num_sms=NUM_SMS)
+        y_other = bf16(other_x.shape[0])
+        buffer.combine(y, handle)   # (the latest combine replay without weights)
+        first_calls = {"cached_dispatch": lambda: buffer.dispatch(x, handle=other, num_sms=NUM_SMS)[:2],
+                       "combine": lambda: buffer.combine(y_other, other)[:2]}
+        for kind, call in first_calls.items():
+            with count_replays() as taken:
+                rebound = call()
+            latest, engine.handle_replays = engine.handle_replays, ReplayTable()
+            other._state.engine_handle.replays = ReplayTable()
+            general = call()
+            engine.handle_replays = latest
+            torch.cuda.synchronize()
+            if taken[kind] != 1:
+                problems.append(f"{kind}: a new handle's first call was served by {taken[kind]} rebound replays, not 1")
+            if not all(torch.equal(a, b) for a, b in zip(general, rebound) if a is not None):
+                problems.append(f"{kind}: the rebound call differs from the general path's result")
     finally:
         buffer.destroy()
     return problems
