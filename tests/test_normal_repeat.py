@@ -186,3 +186,61 @@ def test_replays_launch_what_the_general_path_launches(interpreter_pools, tuning
     for num_ranks in (1, 2):
         problems = interpreter_pools(num_ranks).run(replays_match_general_path, tuning)
         assert problems == [[]] * num_ranks
+
+
+def gpu_rebound_calls_match_general_path(group: dist.ProcessGroup) -> list[str]:
+    """On GPUs, with the real kernels and copies: handles of new routing (same shapes), each
+    one's first cached dispatch (bf16 and fp8) and combine (with top-k weights and without)
+    served by the Buffer's latest replay rebound to it, give exactly what the general path gives
+    for the same inputs."""
+    from nvlink_cases import count_replays, shared_buffers
+    from recorded_launches import tensors_in
+
+    buffer, _ = shared_buffers(group, 1 << 30)
+    cpu = dict(generator=torch.Generator().manual_seed(100 + group.rank()), dtype=torch.float32, device="cpu")
+    tokens, hidden, experts = 700, 2048, 8 * group.size()
+
+    def bf16(rows: int) -> torch.Tensor:
+        return torch.randn(rows, hidden, **cpu).to(torch.bfloat16).to(buffer.device)
+
+    def fresh_dispatch() -> tuple:
+        topk_idx = torch.rand(tokens, experts, **cpu).topk(TOPK, dim=1).indices.to(buffer.device)
+        weights = torch.rand(tokens, TOPK, **cpu).to(buffer.device)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, experts)
+        recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
+            bf16(tokens), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=weights)
+        return handle, bf16(recv_x.shape[0]), recv_weights
+
+    x = bf16(tokens)
+    x_fp8 = deep_ep.utils.per_token_cast_to_fp8(x)
+
+    def calls(handle: object, y: torch.Tensor, weights: torch.Tensor) -> dict[str, Callable[[], object]]:
+        return {"cached dispatch bf16": lambda: buffer.dispatch(x, handle=handle)[0],
+                "cached dispatch fp8": lambda: buffer.dispatch(x_fp8, handle=handle)[0],
+                "combine, weights": lambda: buffer.combine(y, handle, weights)[:2],
+                "combine": lambda: buffer.combine(y, handle)[:2]}
+
+    problems = []
+    for call in calls(*fresh_dispatch()).values():   # the general path learns the latest replays
+        call()
+    for _ in range(2):
+        handle, y, weights = fresh_dispatch()
+        for what, call in calls(handle, y, weights).items():
+            with count_replays() as taken:
+                rebound = call()
+            latest, buffer._handle_replays = buffer._handle_replays, ReplayTable()
+            handle.replays = ReplayTable()
+            general = call()
+            buffer._handle_replays = latest
+            torch.cuda.synchronize()
+            if sum(taken.values()) != 1:
+                problems.append(f"{what}: a new handle's first call was served by {taken}, not one rebound replay")
+            if not all(torch.equal(a, b) for a, b in zip(tensors_in(general), tensors_in(rebound), strict=True)):
+                problems.append(f"{what}: the rebound call differs from the general path's result")
+    return problems
+
+
+@pytest.mark.gpu(min_gpus=1)
+def test_gpu_rebound_calls_match_the_general_path(gpu_pool) -> None:
+    assert gpu_pool.run(gpu_rebound_calls_match_general_path) == [[]] * gpu_pool.num_ranks
