@@ -114,21 +114,14 @@ def listed_ranks(line: str) -> int | None:
     return None
 
 
-def links_nvshmem(line: str) -> bool:
-    """Whether a kernel list line links NVSHMEM's device library (the internode kernels)."""
-    return "nvshmem" in json.dumps(json.loads(line)["kernel"]["options"].get("extern_libs"))
-
-
 def warming_order(lines: list[str], num_ranks: int | None) -> list[str]:
     """The distinct ``lines`` in their order (the order the suite first needed them), those
-    linking NVSHMEM first, those compiled for another rank count than ``num_ranks`` last. A
-    kernel that links NVSHMEM's device library takes several seconds to build, ten times
-    another: a rank that needs one before the pool built it builds it on its own way, and the
-    internode tests need dozens. The list holds the kernels of every rank count the suite ran
-    at, and a session at one count needs the others' last."""
+    compiled for another rank count than ``num_ranks`` last: the list holds the kernels of
+    every rank count the suite ran at, and a session at one count needs the others' last."""
     lines = list(dict.fromkeys(line for line in lines if line.strip()))
-    return sorted(lines, key=lambda line: (not links_nvshmem(line),
-                                           num_ranks is not None and listed_ranks(line) not in (None, num_ranks)))
+    if num_ranks is None:
+        return lines
+    return sorted(lines, key=lambda line: listed_ranks(line) not in (None, num_ranks))
 
 
 def warm_in_background(path: Path, workers: int, num_ranks: int | None = None) -> Warming | None:

@@ -75,21 +75,17 @@ def test_listed_kernels_are_what_the_jit_finds_in_the_cache(tmp_path, monkeypatc
     assert os.environ["TRITON_CACHE_DIR"] == str(cache)
 
 
-def test_warming_takes_nvshmem_kernels_then_the_sessions_rank_count_first() -> None:
-    def line(name: str, num_ranks: int | None, nvshmem: bool = False) -> str:
+def test_warming_takes_the_sessions_rank_count_first() -> None:
+    def line(name: str, num_ranks: int | None) -> str:
         names = ["x_ptr", "n"] + ([] if num_ranks is None else ["NUM_RANKS"])
-        libs = [["libdevice", "/lib/libdevice.10.bc"]] + ([["libnvshmem_device", "/lib/libnvshmem_device.bc"]]
-                                                         if nvshmem else [])
         data = {"name": name, "signature": {n: "constexpr" if n == "NUM_RANKS" else "i32" for n in names},
                 "constant_keys": [[2]] if num_ranks is not None else [], "constant_vals":
-                [{"constexpr": num_ranks}] if num_ranks is not None else [], "attrs_keys": [], "attrs_vals": [],
-                "options": {"extern_libs": libs}}
+                [{"constexpr": num_ranks}] if num_ranks is not None else [], "attrs_keys": [], "attrs_vals": []}
         return json.dumps({"target": ["cuda", 90, 32], "kernel": data})
 
     four, two, plain, four_again = line("a", 4), line("b", 2), line("c", None), line("d", 4)
-    internode_two = line("e", 2, nvshmem=True)
     assert [listed_ranks(x) for x in (four, two, plain)] == [4, 2, None]
-    lines = [four, two, plain, four, four_again, internode_two]
-    assert warming_order(lines, 2) == [internode_two, two, plain, four, four_again]
-    assert warming_order(lines, 4) == [internode_two, four, plain, four_again, two]
-    assert warming_order(lines, None) == [internode_two, four, two, plain, four_again]
+    lines = [four, two, plain, four, four_again]
+    assert warming_order(lines, 2) == [two, plain, four, four_again]
+    assert warming_order(lines, 4) == [four, plain, four_again, two]
+    assert warming_order(lines, None) == [four, two, plain, four_again]
