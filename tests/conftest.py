@@ -82,11 +82,13 @@ def gpu_session_pool(request: pytest.FixtureRequest):
     ranks start too when the session has such tests (``transport_session_pool``), so that
     their start-up overlaps the first tests."""
     from gpu_pools import ready_gpu_pool, start_gpu_pool
-    from kernel_cache import KERNEL_LIST, warm_in_background
+    from kernel_cache import KERNEL_LIST, WAIT_VARIABLE, warm_in_background
 
     ranks, cores = gpu_ranks(), len(os.sched_getaffinity(0))
     # Each rank keeps two threads busy (its GPU side, its oracle); the rest compile.
     warming = warm_in_background(KERNEL_LIST, min(32, cores - 2 * ranks), ranks)
+    if warming is not None and os.environ.get(WAIT_VARIABLE) == "1":
+        SESSION_NOTES.append(warming.wait())
     pool = start_gpu_pool(ranks)
     if _own_transport_ranks(ranks) and _uses(request.session, "transport_pool"):
         _STARTING["transport"] = start_gpu_pool(ranks)

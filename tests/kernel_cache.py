@@ -15,18 +15,23 @@ not listed is compiled by the rank, as without the list.
                                       rank: ``awk '!seen[$0]++'`` keeps the first of each)
     TRITONEP_TEST_KERNELS=file        the list warmed at the start of a GPU session, if present
                                       (default tests/gpu_kernels.jsonl)
+    TRITONEP_TEST_WAIT_FOR_KERNELS=1  the session's tests start once the whole list is built (a
+                                      rank that still builds a listed kernel then shows that
+                                      its cache key differs from the list's build)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 OUT_VARIABLE = "TRITONEP_TEST_KERNELS_OUT"
+WAIT_VARIABLE = "TRITONEP_TEST_WAIT_FOR_KERNELS"
 KERNEL_LIST = Path(os.environ.get("TRITONEP_TEST_KERNELS", Path(__file__).with_name("gpu_kernels.jsonl")))
 
 
@@ -91,6 +96,13 @@ class Warming:
         self.workers = workers
         self._executor = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
         self.futures: list[Future] = [self._executor.submit(compile_entry, line) for line in lines]
+
+    def wait(self) -> str:
+        """Block until every entry is built (or refused); a line saying how long that took."""
+        begin = time.perf_counter()
+        for future in self.futures:
+            future.exception()
+        return f"kernel list: the tests waited {time.perf_counter() - begin:.1f} s for the whole list"
 
     def stop(self) -> str:
         """Cancel what has not started; a line saying what was compiled."""
