@@ -63,16 +63,18 @@ def _where(file: str) -> str:
 
 
 # torch.distributed's waits and collectives, the C functions and their Python wrappers
-# (``distributed/distributed_c10d.py``), whose own time can hold the C call's: their time is
-# spent waiting for the other ranks (the CPU backend's gloo exchanges), which moves with the
-# ranks' skew, not with either API's host work, and can crowd every front-end difference out.
-_PEER_WAITS = "distributed_c10d"
+# (``distributed/distributed_c10d.py``, and the logging decorator around them,
+# ``distributed/c10d_logger.py``), whose own time can hold the C call's: their time is spent
+# waiting for the other ranks (the CPU backend's gloo exchanges), which moves with the ranks'
+# skew, not with either API's host work, and can crowd every front-end difference out.
+_PEER_WAITS = ("distributed_c10d", "c10d_logger")
 
 
 def largest_differences(v1: dict[str, float], v2: dict[str, float], top: int = 12) -> list[tuple[str, float, float]]:
     """(function, V1 us, V2 us) of the ``top`` functions whose own time per call differs most,
     waits on other ranks left out (``largest`` still lists them)."""
-    rows = [(name, v1.get(name, 0.0), v2.get(name, 0.0)) for name in set(v1) | set(v2) if _PEER_WAITS not in name]
+    rows = [(name, v1.get(name, 0.0), v2.get(name, 0.0)) for name in set(v1) | set(v2)
+            if not any(wait in name for wait in _PEER_WAITS)]
     return sorted(rows, key=lambda row: abs(row[2] - row[1]), reverse=True)[:top]
 
 
