@@ -193,8 +193,9 @@ class NormalEngine:
                 reads_counts = True
         state.dispatch_epoch += 1
         receivers = shape.receivers   # what this call adds to every peer's done word for this rank
-        copy_receive = (copy_engine_receives(t.copy_engine_dispatch, R) and handle is not None
-                        and request.num_worst_tokens == 0 and plan.host_counts(R) is not None)
+        copy_engine = copy_engine_receives(t.copy_engine_dispatch, R)
+        copy_receive = (handle is not None and request.num_worst_tokens == 0
+                        and plan.on_copy_engines(copy_engine, R))
         # The kernel's argument groups (dispatch_kernel.py); both halves share all but the outputs.
         words = as_words(x) if x.dim() == 2 else x
         scale_view = as_words(scales) if scales is not None else words
@@ -272,7 +273,7 @@ class NormalEngine:
         if handle is not None and request.num_worst_tokens == 0:
             side = CopyReceive(self.dispatch_copier, ranges, shape.staging[2], shape.staging[3],
                                shape.copy_programs) if copy_receive else None
-            rebinding = Rebinding(self.rank, R, shape.capacity, copy_engine_receives(t.copy_engine_dispatch, R))
+            rebinding = Rebinding(self.rank, R, shape.capacity, copy_engine)
             replay = CachedDispatchReplay.learn(
                 state, x, scales, launched, recv_x, recv_scales, num_out_rows, shape.scale_words,
                 receivers, state.dispatch_epoch, state.dispatch_released - receivers, release_due, rebinding, side)
@@ -349,7 +350,7 @@ class NormalEngine:
                     COPY_BLOCK=tile_block(t.block, shape["ROWS"], hidden // 2),
                     NUM_SENDERS=senders, NUM_REDUCERS=reducers, NUM_CHANNELS=channels, **shape)
             return make
-        if plan.counts is not None and t.copy_engine_combine:
+        if plan.on_copy_engines(t.copy_engine_combine, R):
             # The rows cross NVLink on the copy engines, piece by piece; every program reduces
             # while they arrive (combine_copy_engine.py).
             pieces = min(pieces_per_peer(R, t.combine_pieces), MAX_CHANNELS)

@@ -192,7 +192,7 @@ class CachedDispatchReplay(_HandleReplay):
         x_layout, scales_layout = self.layout
         copy_receive = self.copy_receive
         if (handle.is_token_in_rank.shape[0] != x_layout[1][0] or rows > fit.capacity
-                or (fit.copy_engine and plan.host_counts(fit.num_ranks) is not None) != (copy_receive is not None)):
+                or plan.on_copy_engines(fit.copy_engine, fit.num_ranks) != (copy_receive is not None)):
             return None
         scratch = plan.recv_src_scratch(rows, self.device).data_ptr()
         values = {_D_TOKEN_LIST: plan.token_list.data_ptr(), _D_TOKEN_LIST_STRIDE: plan.token_list.stride(0),
@@ -294,8 +294,7 @@ class CombineReplay(_HandleReplay):
         the handle's own in the launch (V2's weights), rows that do not fit, rows that cross
         another way, or a tensor in another specialisation than the launch's."""
         plan, fit = handle.backend_state, self.rebinding
-        counts = plan.host_counts(fit.num_ranks)
-        if (not self.ids_placeholder or (fit.copy_engine and counts is not None) != bool(self.pieces)
+        if (not self.ids_placeholder or plan.on_copy_engines(fit.copy_engine, fit.num_ranks) != bool(self.pieces)
                 or (plan.max_send_rows is not None and plan.max_send_rows > fit.capacity)):
             return None
         in_rank = handle.is_token_in_rank

@@ -105,6 +105,12 @@ class SendPlan:
             self.cached_recv_src = torch.empty(rows, dtype=torch.int32, device=device)
         return self.cached_recv_src
 
+    def on_copy_engines(self, tuned: bool, num_ranks: int) -> bool:
+        """Whether a call made with this plan moves its rows on the copy engines: when the
+        tuning sends them there (``tuned``) and the dispatch's counts are on the host (which this
+        works out first, ``host_counts``)."""
+        return self.host_counts(num_ranks) is not None and tuned
+
     def host_counts(self, num_ranks: int) -> list[list[int]] | None:
         """``counts`` (and ``max_send_rows``), worked out from ``host_prefix`` the first time; None
         when the dispatch did not read its counts back (num_worst_tokens)."""
