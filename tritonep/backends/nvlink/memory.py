@@ -28,6 +28,8 @@ from tritonep.rank_pool import SHARED_GPUS_VARIABLE
 MAX_CHANNELS = 160            # sender programs per launch (more than a Hopper GPU has SMs)
 MAX_LOCAL_EXPERTS = 1024
 SIGNATURE_WORDS = 8           # (hidden words, scale words, top-k, experts, invalid ids, T, 0, 0)
+# Where torch's CUDA tensor export (``reduce_tensor``) puts the device its rebuild opens it on.
+_IPC_DEVICE = 6
 
 
 @dataclass(frozen=True)
@@ -170,8 +172,13 @@ class SymmetricBuffer:
         Each peer gets an export of its own. torch counts the users of an exported block with
         one counter per export, which its one receiver decrements when it lets go: one export
         shared by several peers was decremented once per peer, wrapped below zero, and kept
-        the block allocated for good (every Buffer's whole allocation, on every rank)."""
-        from torch.multiprocessing.reductions import reduce_tensor
+        the block allocated for good (every Buffer's whole allocation, on every rank).
+
+        Each export is opened on this rank's GPU, whichever GPU holds it (ranks sharing GPUs
+        that span several): CUDA maps an IPC handle into the address space of the device it is
+        opened on, enabling peer access to the owner as it goes. torch opens it on the owner's
+        GPU, where kernels on ours faulted on it even with peer access enabled by hand."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
         self.local = on_every_rank(self.group, lambda: torch.empty(total, dtype=torch.uint8, device=device),
                                    f"allocating {total} bytes of GPU memory")
@@ -186,7 +193,10 @@ class SymmetricBuffer:
                     views.append(self.local)
                 else:
                     rebuild, args = gathered[peer][self.rank]   # the export ``peer`` made for this rank
-                    views.append(rebuild(*args))
+                    if rebuild is not rebuild_cuda_tensor or not isinstance(args[_IPC_DEVICE], int):
+                        raise RuntimeError("torch's CUDA tensor export changed its layout: tritonep's ranks "
+                                           "sharing GPUs cannot map each other's memory")
+                    views.append(rebuild(*args[:_IPC_DEVICE], device.index, *args[_IPC_DEVICE + 1:]))
             return views
 
         # Also a barrier: every peer must have mapped this rank's allocation before any rank
@@ -194,7 +204,6 @@ class SymmetricBuffer:
         # until then).
         mapped = on_every_rank(self.group, map_peers, "mapping the peers' allocations (CUDA IPC)")
         self._keep_alive.extend(mapped)
-        _enable_peer_access(device, {view.device.index for view in mapped} - {device.index})
         return mapped
 
     def _map_shared_files(self, total: int) -> list[torch.Tensor]:
@@ -281,36 +290,3 @@ def fabric_memory_available(device: torch.device) -> bool:
         driver.cuMemRelease(handle)
         del probe
 
-
-def _enable_peer_access(device: torch.device, others: set[int]) -> None:
-    """Let kernels on ``device`` reach memory of the GPUs ``others`` (ranks sharing GPUs, when
-    they span several). torch maps a peer's IPC export in the context of the peer's own GPU,
-    where it was allocated, and opening it enables no access from ours: without this, the
-    first kernel here that touches a peer on another GPU faults (illegal address). Needs
-    cuda-bindings' driver module."""
-    if not others:
-        return
-    try:
-        from cuda.bindings import driver
-    except ImportError as error:
-        raise RuntimeError("ranks that share GPUs across several GPUs need cuda-bindings (pip install "
-                           "cuda-bindings) to let each GPU reach the others' memory") from error
-    from tritonep.runtime.side_streams import driver_result
-
-    mine = driver_result(driver.cuDeviceGet(device.index), "device lookup")
-    context = driver_result(driver.cuDevicePrimaryCtxRetain(mine), "context lookup")
-    driver_result(driver.cuCtxPushCurrent(context), "context switch")
-    try:
-        for index in sorted(others):
-            other = driver_result(driver.cuDeviceGet(index), "device lookup")
-            other_context = driver_result(driver.cuDevicePrimaryCtxRetain(other), "context lookup")
-            try:
-                result = driver.cuCtxEnablePeerAccess(other_context, 0)[0]
-            finally:
-                driver_result(driver.cuDevicePrimaryCtxRelease(other), "context release")
-            if result not in (driver.CUresult.CUDA_SUCCESS, driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
-                raise RuntimeError(f"GPU {device.index} cannot reach GPU {index}'s memory ({result!r}): ranks "
-                                   f"that share GPUs need GPUs with peer access to each other")
-    finally:
-        driver_result(driver.cuCtxPopCurrent(), "context switch")
-        driver_result(driver.cuDevicePrimaryCtxRelease(mine), "context release")
