@@ -25,6 +25,7 @@ from typing import Any
 
 import triton
 
+from tritonep.runtime.cache_keys import stable_cache_key
 from tritonep.runtime.platform import INTERPRET
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -45,15 +46,19 @@ class NamedJITFunction(triton.runtime.JITFunction):
     def __init__(self, fn: Callable, profiler_name: str, **options: Any) -> None:
         entry = mangled(profiler_name)
         self.profiler_name = profiler_name
+        self._named_key: str | None = None
         super().__init__(fn, repr=lambda _specialization: entry, **options)
 
     @property
     def cache_key(self) -> str:
         # Triton's on-disk cache keys a kernel by its source, not by the name it compiles it
         # under: without the name in the key, a renamed kernel would come back under its old
-        # name. Read when a kernel is compiled, not per launch.
-        source_key = triton.runtime.JITFunction.cache_key.fget(self)
-        return hashlib.sha256(f"{source_key}:{self.profiler_name}".encode()).hexdigest()
+        # name. The source key is made independent of what the process hashed before
+        # (``cache_keys.py``), so that every process finds the others' builds.
+        if self._named_key is None:
+            source_key = stable_cache_key(self)
+            self._named_key = hashlib.sha256(f"{source_key}:{self.profiler_name}".encode()).hexdigest()
+        return self._named_key
 
 
 def jit(profiler_name: str, **options: Any) -> Callable[[Callable], Any]:
