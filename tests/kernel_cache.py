@@ -18,6 +18,11 @@ not listed is compiled by the rank, as without the list.
     TRITONEP_TEST_WAIT_FOR_KERNELS=1  the session's tests start once the whole list is built (a
                                       rank that still builds a listed kernel then shows that
                                       its cache key differs from the list's build)
+
+With ``TRITONEP_TEST_KERNELS_OUT`` set, the ranks and the warming pool also log every Triton
+compile to ``file.builds`` (``log_builds``): the kernel, its cache key, whether Triton's disk
+cache held it and how long it took, so that a rank's build of a listed kernel can be told from
+a cache hit, and its key compared with the pool's.
 """
 
 from __future__ import annotations
@@ -60,6 +65,28 @@ def record(group: Any, path: str) -> None:
         return chained(**kwargs) if chained else None
 
     knobs.runtime.jit_post_compile_hook = append
+    log_builds(path + ".builds", "rank")
+
+
+def log_builds(path: str, who: str) -> None:
+    """From now on append one line per ``triton.compile`` in this process to ``path``: ``who``,
+    the kernel, its cache key hash, its source hash (function, signature, constants, attributes:
+    the key less the options and the environment), whether the disk cache held it, and the
+    compile's seconds."""
+    from triton import knobs
+
+    def listen(*, src: Any, metadata: dict, metadata_group: dict, times: Any, cache_hit: bool) -> None:
+        line = json.dumps({"who": who, "pid": os.getpid(), "name": src.name, "hash": metadata.get("hash"),
+                           "source_hash": src.hash(), "cache_hit": cache_hit, "seconds": times.total / 1e6,
+                           "extern_libs": str(metadata.get("extern_libs")), "signature": str(src.signature),
+                           "constants": str(sorted(src.constants.items())), "attrs": str(src.attrs)}) + "\n"
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(descriptor, line.encode())
+        finally:
+            os.close(descriptor)
+
+    knobs.compilation.listener = listen
 
 
 def compile_entry(line: str) -> str:
@@ -69,9 +96,12 @@ def compile_entry(line: str) -> str:
 
     import triton
     import triton.language as tl
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
+    if os.environ.get(OUT_VARIABLE) and knobs.compilation.listener is None:   # once per pool process
+        log_builds(os.environ[OUT_VARIABLE] + ".builds", "pool")
     listed = json.loads(line)
     data = listed["kernel"]
     module, name = data["name"].rsplit(".", 1)
