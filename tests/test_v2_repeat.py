@@ -144,15 +144,15 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             wanted = {"cached_dispatch": 2 * CALLS + 1, "combine": 2 * CALLS, "low_latency": 0}
             if taken != wanted:
                 problems.append(f"replays served {taken}, expected {wanted}")
-            # A new handle's first calls rebind the latest replays, but for the combine with
-            # weights (its replay reads the expert ids of the handle it learnt with).
+            # A new handle's first calls rebind the latest replays, the combine with weights
+            # included (its replay's expert ids become the new handle's).
             for make_x in (bf16, fp8):
                 both_paths(functools.partial(v2.dispatch, make_x(), handle=other, num_sms=NUM_SMS), DISPATCH_COUNTERS,
                            "rebound cached dispatch", other)
             for topk_weights in (other_weights, None):
                 both_paths(functools.partial(v2.combine, bf16(other_recv_x.shape[0]), other, topk_weights),
                            COMBINE_COUNTERS, "rebound combine", other)
-            wanted = {"cached_dispatch": 2 * CALLS + 3, "combine": 2 * CALLS + 1, "low_latency": 0}
+            wanted = {"cached_dispatch": 2 * CALLS + 3, "combine": 2 * CALLS + 2, "low_latency": 0}
             if taken != wanted:
                 problems.append(f"replays served {taken} with a new handle, expected {wanted}")
             # Wrong inputs: the replays decline or are not asked, the general path raises.
@@ -317,20 +317,28 @@ def gpu_repeats_match_general_path(group: dist.ProcessGroup) -> list[str]:
             for index, repeat in enumerate(repeats):
                 if not all(torch.equal(a, b) for a, b in zip(general, repeat)):
                     problems.append(f"{kind}: repeat {index} differs from the general path's result")
-        # A handle of new routing: its first cached dispatch and combine (without weights) are
-        # the latest replays rebound to it, then the same calls through the general path.
-        other_idx = torch.rand(tokens, experts, **cpu).topk(TOPK, dim=1).indices.to(device)
-        other_x, _, _, other, _ = buffer.dispatch(bf16(tokens), topk_idx=other_idx, num_experts=experts,
-                                                  num_sms=NUM_SMS)
-        y_other = bf16(other_x.shape[0])
-        buffer.combine(y, handle)   # (the latest combine replay without weights)
-        first_calls = {"cached_dispatch": lambda: buffer.dispatch(x, handle=other, num_sms=NUM_SMS)[:2],
-                       "combine": lambda: buffer.combine(y_other, other)[:2]}
-        for kind, call in first_calls.items():
+        # A handle of new routing: its first cached dispatch and combines (with weights and
+        # without) are the latest replays rebound to it, then the same calls through the general
+        # path. Each combine gets a handle of its own, whose first combine it is.
+        def new_handle() -> tuple:
+            other_idx = torch.rand(tokens, experts, **cpu).topk(TOPK, dim=1).indices.to(device)
+            other_x, _, other_weights, other, _ = buffer.dispatch(bf16(tokens), topk_idx=other_idx,
+                                                                  topk_weights=weights, num_experts=experts,
+                                                                  num_sms=NUM_SMS)
+            return other, bf16(other_x.shape[0]), other_weights
+
+        other, _, _ = new_handle()
+        weighted, y_weighted, weighted_weights = new_handle()
+        plain, y_plain, _ = new_handle()
+        buffer.combine(y, handle)   # (the latest combine replay without weights; the one with: above)
+        first_calls = [("cached_dispatch", lambda: buffer.dispatch(x, handle=other, num_sms=NUM_SMS)[:2], other),
+                       ("combine", lambda: buffer.combine(y_weighted, weighted, weighted_weights)[:2], weighted),
+                       ("combine", lambda: buffer.combine(y_plain, plain)[:2], plain)]
+        for kind, call, subject in first_calls:
             with count_replays() as taken:
                 rebound = call()
             latest, engine.handle_replays = engine.handle_replays, ReplayTable()
-            other._state.engine_handle.replays = ReplayTable()
+            subject._state.engine_handle.replays = ReplayTable()
             general = call()
             engine.handle_replays = latest
             torch.cuda.synchronize()

@@ -52,16 +52,16 @@ class ReplayTable:
         self._replays.clear()
 
 
-def handle_replay(latest: ReplayTable, key: Hashable, handle: Any) -> Replay | None:
+def handle_replay(latest: ReplayTable, key: Hashable, handle: Any, *rebind_args: Any) -> Replay | None:
     """The replay of a call made with ``handle`` (a normal-mode handle, whose ``replays`` is its
     table): the one under ``key``, else the latest one of another handle (``latest``) rebound
-    to this handle, which the handle then keeps; None when neither exists or the rebinding
-    refuses."""
+    to this handle (``rebind(handle, *rebind_args)``), which the handle then keeps; None when
+    neither exists or the rebinding refuses."""
     replay = handle.replays.get(key)
     if replay is None:
         template = latest.get(key)
         if template is not None:
-            handle.replays.learn(key, template.rebind(handle))
+            handle.replays.learn(key, template.rebind(handle, *rebind_args))
             replay = handle.replays.get(key)
     return replay
 

@@ -236,11 +236,14 @@ def replayed_combine(engine: Engine, handle: EPHandle, x: torch.Tensor, topk_wei
     replay its engine handle learnt: (combined_x, combined_topk_weights), or None as in
     ``replayed_dispatch``. ``topk_weights``: float32, the shape of the handle's ids, on x's device.
     A replay with weights applies the ``OwnSlots`` it was learnt with, which read the handle's
-    ``topk_idx`` as it was made: a handle whose ``topk_idx`` was replaced takes the general path."""
+    ``topk_idx`` as it was made (a new handle's first such combine rebinds them to its own): a
+    handle whose ``topk_idx`` was replaced takes the general path."""
     state = handle._state
     if topk_weights is not None and handle.topk_idx is not state.topk_idx:
         return None
-    replay = handle_replay(engine.handle_replays, (_COMBINE, num_sms, topk_weights is None), state.engine_handle)
+    key = (_COMBINE, num_sms, topk_weights is None)
+    replay = handle_replay(engine.handle_replays, key, state.engine_handle) if topk_weights is None else \
+        handle_replay(engine.handle_replays, key, state.engine_handle, state.topk_idx, state.experts_per_rank)
     if replay is None:
         return None
     return replay(x, topk_weights)

@@ -59,8 +59,8 @@ if TYPE_CHECKING:
 # And where the handle's values go, which ``rebind`` rewrites.
 _D_TOKEN_LIST, _D_TOKEN_LIST_STRIDE, _D_PREFIX, _D_ROWS, _D_OUT_SRC = argument_positions(
     dispatch_kernel, "token_list_ptr", "token_list_stride", "prefix_ptr", "num_out_rows", "out_src_ptr")
-_C_PREFIX, _C_IN_RANK, _C_SEND_POS, _C_TOKENS = argument_positions(
-    combine_kernel, "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "num_tokens")
+_C_PREFIX, _C_IN_RANK, _C_SEND_POS, _C_TOKENS, _C_EXPERTS_PER_RANK = argument_positions(
+    combine_kernel, "prefix_ptr", "is_token_in_rank_ptr", "send_pos_ptr", "num_tokens", "experts_per_rank")
 
 
 # Graphs of copy-engine side work a replay keeps (each a few KB of driver memory).
@@ -288,19 +288,29 @@ class CombineReplay(_HandleReplay):
         return CombineReplay(state, copier, x, topk_weights, handle, launch, num_tokens, reducers, pieces, regions,
                              rebinding)
 
-    def rebind(self, handle: DispatchHandle) -> CombineReplay | None:
+    def rebind(self, handle: DispatchHandle, own_ids: torch.Tensor | None = None,
+               experts_per_rank: int = 0) -> CombineReplay | None:
         """This combine with another handle of the engine's (a new handle's first combine), its
-        rows ``handle.num_recv_rows``; or None where the general path must decide: expert ids of
-        the handle's own in the launch (V2's weights), rows that do not fit, rows that cross
-        another way, or a tensor in another specialisation than the launch's."""
+        rows ``handle.num_recv_rows``; or None where the general path must decide: rows that do
+        not fit, rows that cross another way, or a tensor or value in another specialisation
+        than the launch's. ``own_ids`` and ``experts_per_rank``: for a replay learnt with expert
+        ids of its handle's own (V2's weights, ``OwnSlots``), the new handle's ([tokens, K] int64
+        contiguous); without them such a replay refuses."""
         plan, fit = handle.backend_state, self.rebinding
-        if (not self.ids_placeholder or plan.on_copy_engines(fit.copy_engine, fit.num_ranks) != bool(self.pieces)
+        if (plan.on_copy_engines(fit.copy_engine, fit.num_ranks) != bool(self.pieces)
                 or (plan.max_send_rows is not None and plan.max_send_rows > fit.capacity)):
             return None
         in_rank = handle.is_token_in_rank
-        args = respecialised(combine_kernel, self.args, {
-            _C_PREFIX: handle.rank_prefix_matrix.data_ptr(), _C_IN_RANK: in_rank.data_ptr(),
-            _C_SEND_POS: plan.send_pos.data_ptr(), _C_TOKENS: in_rank.shape[0]})
+        values = {_C_PREFIX: handle.rank_prefix_matrix.data_ptr(), _C_IN_RANK: in_rank.data_ptr(),
+                  _C_SEND_POS: plan.send_pos.data_ptr(), _C_TOKENS: in_rank.shape[0]}
+        if not self.ids_placeholder:
+            weights_layout = self.layout[1]
+            if (own_ids is None or weights_layout is None or own_ids.dtype != torch.int64
+                    or own_ids.shape != (in_rank.shape[0], weights_layout[1][1]) or not own_ids.is_contiguous()
+                    or own_ids.get_device() != weights_layout[3]):
+                return None
+            values[_C_TOPK_IDX], values[_C_EXPERTS_PER_RANK] = own_ids.data_ptr(), experts_per_rank
+        args = respecialised(combine_kernel, self.args, values)
         if args is None:
             return None
         replay = self._copy()
