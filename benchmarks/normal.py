@@ -12,10 +12,12 @@ DeepEP in turn.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,7 +153,9 @@ def combine_rounds(rounds: list[dict]) -> dict:
 
 def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argparse.Namespace,
                 x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> list[dict]:
-    """Kernel shapes around the defaults, one field changed at a time, at ``--num-sms``."""
+    """Kernel shapes around the defaults, one field changed at a time, at ``--num-sms``: each
+    variant once per round, ``--rounds`` rounds (so that a drift of the machine reaches every
+    variant alike), the medians and spread over the rounds (``combine_rounds``)."""
     # copy_engine_dispatch: the cached dispatch's rows received on the copy engines, every
     # program sending (dispatch_copy_engine.py), on and off whatever the default, through the
     # driver or torch (copy_driver), with 32 and 16 warps; sender_fraction 1/3: the SM receive's
@@ -163,16 +167,20 @@ def shape_sweep(group: dist.ProcessGroup, buffer: tritonep.Buffer, args: argpars
                 dict(warps=16), dict(sender_fraction=1 / 3), dict(combine_pieces=3), dict(combine_copy_streams=3),
                 dict(combine_copy_streams=3, combine_pieces=4), dict(tokens=16, combine_block=2048),
                 dict(tokens=32, combine_block=1024)]
-    results = []
-    for change in variants:
-        with changed_tuning(buffer, **change) as fields:
-            measured = measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False,
-                                      fp8_cached=True)
-        results.append({"change": change or "defaults", **fields, **measured})
-    return results
+    fields: dict[int, dict] = {}
+
+    def measure(index: int, change: dict) -> dict:
+        with changed_tuning(buffer, **change) as fields[index]:
+            return measure_buffer(group, buffer, args, x, topk_idx, topk_weights, args.num_sms, fp8=False,
+                                  fp8_cached=True)
+
+    measured = _rounds({index: functools.partial(measure, index, change) for index, change in enumerate(variants)},
+                       args.rounds)
+    return [{"change": change or "defaults", **fields[index], **measured[index]}
+            for index, change in enumerate(variants)]
 
 
-def _rounds(paths: dict[str, Callable[[], dict]], count: int) -> dict:
+def _rounds(paths: dict[Any, Callable[[], dict]], count: int) -> dict:
     """Each path's figures over ``count`` rounds, the paths measured in turn within a round."""
     measured: dict[str, list[dict]] = {name: [] for name in paths}
     for _ in range(count):

@@ -94,10 +94,12 @@ def print_normal(report: dict) -> None:
               + ", ".join(f"{function} {us:.1f}" for function, us in profiled["largest"]))
     for m in report.get("shape_sweep", []):
         fp8 = f"  fp8 {m['cached_dispatch_fp8_us']:6.1f} us" if "cached_dispatch_fp8_us" in m else ""
+        spread = m.get("round_spread")
+        spread = f"  (rounds spread {100 * max(spread.values()):.1f}%)" if spread else ""
         print(f"{str(m['change']):<55} cached dispatch {gbps(m['recv_bytes'], m['cached_dispatch_us']):7.1f} GB/s  "
-              f"combine {gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s  back to back: "
+              f"combine {gbps(m['recv_bytes'], m['combine_us']):7.1f} GB/s ({m['combine_us']:.1f} us)  back to back: "
               f"{gbps(m['recv_bytes'], m['cached_dispatch_pipelined_us']):7.1f} / "
-              f"{gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s{fp8}")
+              f"{gbps(m['recv_bytes'], m['combine_pipelined_us']):7.1f} GB/s{fp8}{spread}")
 
 
 _INTERNODE_ROWS = (("layout", "layout"), ("dispatch (with counts)", "dispatch"),
