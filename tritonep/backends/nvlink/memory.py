@@ -14,6 +14,7 @@ every rank maps: the same kernels then run on CPU processes, which is how CI cov
 
 from __future__ import annotations
 
+import inspect
 import os
 import uuid
 from dataclasses import dataclass
@@ -28,8 +29,6 @@ from tritonep.rank_pool import SHARED_GPUS_VARIABLE
 MAX_CHANNELS = 160            # sender programs per launch (more than a Hopper GPU has SMs)
 MAX_LOCAL_EXPERTS = 1024
 SIGNATURE_WORDS = 8           # (hidden words, scale words, top-k, experts, invalid ids, T, 0, 0)
-# Where torch's CUDA tensor export (``reduce_tensor``) puts the device its rebuild opens it on.
-_IPC_DEVICE = 6
 
 
 @dataclass(frozen=True)
@@ -180,6 +179,9 @@ class SymmetricBuffer:
         GPU, where kernels on ours faulted on it even with peer access enabled by hand."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+        # Where an export's arguments hold the device its rebuild opens it on.
+        device_at = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
+
         self.local = on_every_rank(self.group, lambda: torch.empty(total, dtype=torch.uint8, device=device),
                                    f"allocating {total} bytes of GPU memory")
         exports = [None if peer == self.rank else reduce_tensor(self.local) for peer in range(self.num_ranks)]
@@ -193,10 +195,10 @@ class SymmetricBuffer:
                     views.append(self.local)
                 else:
                     rebuild, args = gathered[peer][self.rank]   # the export ``peer`` made for this rank
-                    if rebuild is not rebuild_cuda_tensor or not isinstance(args[_IPC_DEVICE], int):
+                    if rebuild is not rebuild_cuda_tensor or not isinstance(args[device_at], int):
                         raise RuntimeError("torch's CUDA tensor export changed its layout: tritonep's ranks "
                                            "sharing GPUs cannot map each other's memory")
-                    views.append(rebuild(*args[:_IPC_DEVICE], device.index, *args[_IPC_DEVICE + 1:]))
+                    views.append(rebuild(*args[:device_at], device.index, *args[device_at + 1:]))
             return views
 
         # Also a barrier: every peer must have mapped this rank's allocation before any rank
