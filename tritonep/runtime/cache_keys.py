@@ -12,7 +12,9 @@ built, about five seconds each: docs/findings.md).
 
 ``stable_cache_key`` first hashes the helpers a kernel reaches, callees before callers, so
 every function's list is complete when a caller merges it; the key is then the same whatever
-the process did before.
+the process did before. Triton's main branch has since made its own keys independent of the
+order (triton-lang/triton#10494); Triton 3.6 still shows the problem, and with a fixed Triton
+this changes nothing but the few milliseconds it costs.
 """
 
 from __future__ import annotations
