@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import statistics
 import time
@@ -50,7 +51,7 @@ def buffer_calls(group: dist.ProcessGroup, buffer: object, args: argparse.Namesp
                  module: object = tritonep) -> tuple[dict[str, Callable[..., object]], torch.Tensor]:
     """The calls the bench makes on one Buffer, after one fresh dispatch that makes their handle:
     ``layout``, ``fresh`` (dispatch with the count exchange, returning what dispatch returns),
-    ``cached(x)`` (a dispatch of ``x`` with the handle) and ``combine``, and the same two with
+    ``cached(x)`` (a dispatch of ``x`` with the handle) and ``combine(x)``, and the same two with
     another fresh dispatch's outputs, ``cached_with(handle)`` and ``combine_with(dispatched)``;
     and the rows that dispatch received. ``module`` is the package the Buffer comes from
     (tritonep, or DeepEP's deep_ep): both size their configs the same way."""
@@ -67,7 +68,7 @@ def buffer_calls(group: dist.ProcessGroup, buffer: object, args: argparse.Namesp
         "layout": lambda: buffer.get_dispatch_layout(topk_idx, args.experts),
         "fresh": lambda: buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, config=config, **layout),
         "cached": lambda x_in=x: buffer.dispatch(x_in, handle=handle, config=config),
-        "combine": lambda: buffer.combine(recv_x, handle, config=combine_config),
+        "combine": lambda x_in=recv_x: buffer.combine(x_in, handle, config=combine_config),
         "cached_with": lambda other: buffer.dispatch(x, handle=other, config=config),
         # ``dispatched``: a fresh dispatch's return value, (recv_x, ..., handle, event).
         "combine_with": lambda dispatched: buffer.combine(dispatched[0], dispatched[4], config=combine_config),
@@ -93,10 +94,15 @@ def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Name
         "cached_dispatch_us": timing.median_us(group, cached, iters),
         "combine_us": timing.median_us(group, combine, iters),
     }
-    # Host time per call: of one call repeated (as the GPU rows), and of a cached dispatch and a
-    # combine each on a new handle (as in training, where routing changes every step).
+    # Host time per call: of one call repeated (as the GPU rows), of a cached dispatch and a
+    # combine each on a new handle (as in training, where routing changes every step), and of a
+    # combine with the handle again but new rows each call (the backward of a step's dispatch:
+    # its input never repeats, so no work captured for a repeated input serves it).
     result["host_us"] = {name: timing.back_to_back_host_us(fn, calls=10, rounds=7) for name, fn in
                          (("layout", layout_call), ("cached_dispatch", cached), ("combine", combine))}
+    new_rows = itertools.cycle([recv_x.clone(), recv_x.clone()])
+    result["host_us"]["combine_new_inputs"] = timing.back_to_back_host_us(lambda: combine(next(new_rows)),
+                                                                          calls=10, rounds=7)
     result["host_us"]["cached_dispatch_new_handle"] = timing.first_use_host_us(lambda: fresh()[4],
                                                                                calls["cached_with"])
     result["host_us"]["combine_new_handle"] = timing.first_use_host_us(fresh, calls["combine_with"])
@@ -200,7 +206,7 @@ def host_profiles(group: dist.ProcessGroup, buffer: object, args: argparse.Names
     "largest": the functions with the most}}; the cached dispatch also with the other receive
     (SM receivers, or the copy engines where the default leaves them off), so that the two
     paths' host work can be told apart."""
-    calls, _ = buffer_calls(group, buffer, args, x, topk_idx, topk_weights, args.num_sms)
+    calls, recv_x = buffer_calls(group, buffer, args, x, topk_idx, topk_weights, args.num_sms)
     rows = {"layout": calls["layout"], "cached_dispatch": calls["cached"], "combine": calls["combine"]}
     profiles = {name: host_profile.own_us_per_call(group, fn, args.iters) for name, fn in rows.items()}
     # A handle's first calls (training's: new routing every step), which no replay serves.
@@ -208,6 +214,9 @@ def host_profiles(group: dist.ProcessGroup, buffer: object, args: argparse.Names
         group, lambda: calls["fresh"]()[4], calls["cached_with"], min(args.iters, 16))
     profiles["combine_new_handle"] = host_profile.own_us_per_first_use(
         group, calls["fresh"], calls["combine_with"], min(args.iters, 16))
+    new_rows = itertools.cycle([recv_x.clone(), recv_x.clone()])   # (as measure_buffer's row)
+    profiles["combine_new_inputs"] = host_profile.own_us_per_call(
+        group, lambda: calls["combine"](next(new_rows)), args.iters)
     tuning = getattr(buffer.backend, "tuning", None)   # (the CPU backend has no kernels to tune)
     if tuning is not None and group.size() > 1:
         other = 0 if copy_engine_receives(tuning.copy_engine_dispatch, group.size()) else 2   # (2: from 2 ranks)

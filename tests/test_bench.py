@@ -28,7 +28,8 @@ def test_bench_on_cpu_ranks_writes_every_path(tmp_path) -> None:
     timed = ("layout_us", "dispatch_us", "cached_dispatch_us", "combine_us")
     assert all(normal_path[key] > 0 for key in timed) and normal_path["recv_bytes"] > 0
     host = normal_path["host_us"]
-    assert set(host) == {"layout", "cached_dispatch", "combine", "cached_dispatch_new_handle", "combine_new_handle"}
+    assert set(host) == {"layout", "cached_dispatch", "combine", "cached_dispatch_new_handle", "combine_new_handle",
+                         "combine_new_inputs"}
     assert all(us > 0 for us in host.values()), host
     assert result["bare_all_to_all_us"] > 0
     assert "link_ceiling" not in result   # measured on GPUs only, beside the NVLink backend

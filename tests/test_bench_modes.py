@@ -121,11 +121,12 @@ def test_v2_host_profile_names_where_the_apis_differ(tmp_path, capsys) -> None:
 def test_v1_host_profile_lists_where_each_host_row_goes(tmp_path, capsys) -> None:
     """``--host-profile`` without ``--api v2``: each host row's own host time under cProfile and
     its largest functions, the front end's dispatch among the cached dispatch's; also the cached
-    dispatch and the combine each on a new handle."""
+    dispatch and the combine each on a new handle, and the combine on new rows each call."""
     main(["--cpu", "--ranks", "2", "--host-profile", "--skip-low-latency", "--tokens", "16", "--hidden", "256",
           "--experts", "8", "--topk", "3", "--iters", "2", "--rounds", "1", "--out", str(tmp_path)])
     profiled = json.loads((tmp_path / "bench.json").read_text())["host_profile"]
-    assert set(profiled) == {"layout", "cached_dispatch", "combine", "cached_dispatch_new_handle", "combine_new_handle"}
+    assert set(profiled) == {"layout", "cached_dispatch", "combine", "cached_dispatch_new_handle", "combine_new_handle",
+                             "combine_new_inputs"}
     for name, row in profiled.items():
         times = [us for _, us in row["largest"]]
         assert times == sorted(times, reverse=True) and 0 < sum(times) <= row["us"] + 1e-6, name
