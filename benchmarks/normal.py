@@ -76,6 +76,13 @@ def buffer_calls(group: dist.ProcessGroup, buffer: object, args: argparse.Namesp
     return calls, recv_x
 
 
+def on_new_rows(combine: Callable[[torch.Tensor], object], recv_x: torch.Tensor) -> Callable[[], object]:
+    """``combine`` of rows like ``recv_x`` at another address than the call before: two copies in
+    turn, so that nothing a library keeps for a repeated input serves it."""
+    copies = itertools.cycle([recv_x.clone(), recv_x.clone()])
+    return lambda: combine(next(copies))
+
+
 def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Namespace, x: torch.Tensor,
                    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_sms: int, fp8: bool = True,
                    module: object = tritonep, only_combine: bool = False, fp8_cached: bool = False) -> dict:
@@ -100,8 +107,7 @@ def measure_buffer(group: dist.ProcessGroup, buffer: object, args: argparse.Name
     # its input never repeats, so no work captured for a repeated input serves it).
     result["host_us"] = {name: timing.back_to_back_host_us(fn, calls=10, rounds=7) for name, fn in
                          (("layout", layout_call), ("cached_dispatch", cached), ("combine", combine))}
-    new_rows = itertools.cycle([recv_x.clone(), recv_x.clone()])
-    result["host_us"]["combine_new_inputs"] = timing.back_to_back_host_us(lambda: combine(next(new_rows)),
+    result["host_us"]["combine_new_inputs"] = timing.back_to_back_host_us(on_new_rows(combine, recv_x),
                                                                           calls=10, rounds=7)
     result["host_us"]["cached_dispatch_new_handle"] = timing.first_use_host_us(lambda: fresh()[4],
                                                                                calls["cached_with"])
@@ -214,9 +220,8 @@ def host_profiles(group: dist.ProcessGroup, buffer: object, args: argparse.Names
         group, lambda: calls["fresh"]()[4], calls["cached_with"], min(args.iters, 16))
     profiles["combine_new_handle"] = host_profile.own_us_per_first_use(
         group, calls["fresh"], calls["combine_with"], min(args.iters, 16))
-    new_rows = itertools.cycle([recv_x.clone(), recv_x.clone()])   # (as measure_buffer's row)
-    profiles["combine_new_inputs"] = host_profile.own_us_per_call(
-        group, lambda: calls["combine"](next(new_rows)), args.iters)
+    profiles["combine_new_inputs"] = host_profile.own_us_per_call(group, on_new_rows(calls["combine"], recv_x),
+                                                                  args.iters)
     tuning = getattr(buffer.backend, "tuning", None)   # (the CPU backend has no kernels to tune)
     if tuning is not None and group.size() > 1:
         other = 0 if copy_engine_receives(tuning.copy_engine_dispatch, group.size()) else 2   # (2: from 2 ranks)

@@ -56,12 +56,7 @@ def record(group: Any, path: str) -> None:
     chained = knobs.runtime.jit_post_compile_hook
 
     def append(**kwargs: Any) -> Any:
-        line = entry(target, kwargs["compile"]["specialization_data"]) + "\n"
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(descriptor, line.encode())
-        finally:
-            os.close(descriptor)
+        _append_line(path, entry(target, kwargs["compile"]["specialization_data"]))
         return chained(**kwargs) if chained else None
 
     knobs.runtime.jit_post_compile_hook = append
@@ -79,14 +74,19 @@ def log_builds(path: str, who: str) -> None:
         line = json.dumps({"who": who, "pid": os.getpid(), "name": src.name, "hash": metadata.get("hash"),
                            "source_hash": src.hash(), "cache_hit": cache_hit, "seconds": times.total / 1e6,
                            "extern_libs": str(metadata.get("extern_libs")), "signature": str(src.signature),
-                           "constants": str(sorted(src.constants.items())), "attrs": str(src.attrs)}) + "\n"
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(descriptor, line.encode())
-        finally:
-            os.close(descriptor)
+                           "constants": str(sorted(src.constants.items())), "attrs": str(src.attrs)})
+        _append_line(path, line)
 
     knobs.compilation.listener = listen
+
+
+def _append_line(path: str, line: str) -> None:
+    """``line`` appended to ``path`` in one write (the ranks and the pool share the file)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(descriptor, (line + "\n").encode())
+    finally:
+        os.close(descriptor)
 
 
 def compile_entry(line: str) -> str:
