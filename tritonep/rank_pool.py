@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable, Collection
+from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
@@ -43,10 +43,18 @@ def group_on_gpu(group: Any) -> bool:
     return dist.get_backend(group) == "nccl" or os.environ.get(SHARED_GPUS_VARIABLE) == "1"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# The ranks meet at a TCPStore that the parent process serves: it binds port 0 (the system picks a
+# free port and the store holds it from then on). Choosing a free port first and binding it later,
+# in rank 0, lost races to other processes' sockets (NCCL's own bind ephemeral ports).
+STORE_TIMEOUT_S = 300.0
+
+
+def serve_store() -> Any:
+    """A TCPStore served by this process on a port of the system's choice (``.port``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=STORE_TIMEOUT_S))
 
 
 def init_one_rank_gpu_group(device_index: int = 0) -> torch.device:
@@ -58,8 +66,7 @@ def init_one_rank_gpu_group(device_index: int = 0) -> torch.device:
     os.environ.setdefault("TRITONEP_BACKEND", "nvlink")
     device = torch.device("cuda", device_index)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     return device
 
 
@@ -96,9 +103,10 @@ def _worker(rank: int, num_ranks: int, port: int, use_gpu: bool, conn: Any, defa
         if not nccl:
             os.environ[SHARED_GPUS_VARIABLE] = "1"
             os.environ.setdefault("TRITONEP_BACKEND", "nvlink")
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     dist.init_process_group(
         backend="nccl" if nccl else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=num_ranks,
         **({"device_id": torch.device("cuda", rank)} if nccl else {}),
@@ -162,11 +170,13 @@ class RankPool:
         self._options = (use_gpu, default_dtype, default_device, env)
         self._connections: list[Any] = []
         self._processes: list[Any] = []
+        self._store: Any = None
         self._start()
 
     def _start(self) -> None:
         context = mp.get_context("spawn")
-        port = free_port()
+        self._store = serve_store()   # a fresh one per group: no keys of an earlier group in it
+        port = self._store.port
         for rank in range(self.num_ranks):
             parent_end, child_end = context.Pipe()
             process = context.Process(target=_worker, daemon=True,
@@ -253,6 +263,7 @@ class RankPool:
             conn.close()
         self._processes = []
         self._connections = []
+        self._store = None   # (after the ranks left: they no longer need it)
 
     def __enter__(self) -> RankPool:
         return self
