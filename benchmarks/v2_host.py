@@ -11,16 +11,17 @@ in turn, the median of ``--calls`` calls each:
   replays both front ends take for repeated calls;
 * fresh dispatch: V2's ``dispatch(x, topk_idx=..., num_experts=E)`` against V1's
   ``get_dispatch_layout`` then ``dispatch``, the backend's layout and dispatch answering with
-  the results of the real calls (a fresh dispatch's count exchange waits on the kernels); V2's
-  expert-layout launch is faked like the others. What is timed is each front end's own work,
-  V2's handle fields' host side included;
+  the results of the real calls (a fresh dispatch's count exchange waits on the kernels). What
+  is timed is each front end's own work: on the NVLink backend the dispatch itself writes V2's
+  handle fields (not expanded), so their host side (two allocations and the launch's arguments)
+  is in the answered dispatch and not timed here; the expanded layout's launch is faked like the
+  others;
 * the same without a CPU sync: V2's ``do_cpu_sync=False`` against V1's ``num_worst_tokens``
   (R * T rows), the backend answering with the results of real calls of that kind.
 
 ``--cold`` times each call with the CPU's caches overwritten before it, as the device bench's fresh
-rows are timed after a synchronize and a barrier: V2's fresh dispatch then costs about twice V1's,
-nearly all of it the expert-layout call (its allocations, its launch's host side), which V1 does
-not make. The expert ids' range check, which on GPUs the layout kernel makes on the device, is left out
+rows are timed after a synchronize and a barrier (each torch op then costs several times what it
+costs warm). The expert ids' range check, which on GPUs the layout kernel makes on the device, is left out
 of both (on CPU tensors V1 reads it back twice, V2 once).
 
 On GPUs each torch op of a call is also an allocation or a launch, so a difference here is a
@@ -128,7 +129,7 @@ def measure(calls: int, cold: bool = False) -> dict[str, tuple[float, float, int
 
     from tritonep.backends.nvlink.normal import combine_copy_engine, expert_layout_kernel, layout_kernel, replay
     from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
-    from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
+    from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH, DISPATCH_WITH_FIELDS
     from tritonep.core import checks as core_checks
 
     generator = torch.Generator().manual_seed(0)
@@ -163,8 +164,8 @@ def measure(calls: int, cold: bool = False) -> dict[str, tuple[float, float, int
         "combine, top-k weights": (lambda: v1.combine(recv_x1, handle1, recv_weights1, config=config),
                                    lambda: v2.combine(recv_x2, handle2, topk_weights=recv_weights2)),
     }
-    launchers = (DISPATCH, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL, layout_kernel._LAYOUT,
-                 expert_layout_kernel._EXPERT_LAYOUT)
+    launchers = (DISPATCH, DISPATCH_WITH_FIELDS, COMBINE, combine_copy_engine._WEIGHTS, combine_copy_engine._SIGNAL,
+                 layout_kernel._LAYOUT, expert_layout_kernel._EXPERT_LAYOUT)
     rows = {}
     # On GPUs the layout kernel checks the expert ids' range: neither API reads it back on the
     # host, as both do here on CPU tensors (V1 twice, V2 once).

@@ -133,25 +133,32 @@ def test_expert_layout_kernel_compiles(expand: bool, has_stats: bool, copy_topk:
 # (send, receive): the send half, the receive half, or both in one launch.
 # copy_receive: senders only, which also count themselves in the peers' arrived words and copy
 # our own rows (the copy engines receive: dispatch_copy_engine.py).
-@pytest.mark.parametrize("has_scales,has_topk,send,receive,copy_receive", [
-    (False, True, True, False, False), (True, True, True, False, False), (False, False, True, False, False),
-    (False, True, False, True, False), (True, True, False, True, False), (False, True, True, True, False),
-    (True, False, True, True, False), (True, False, True, False, True), (False, True, True, False, True)])
+@pytest.mark.parametrize("has_scales,has_topk,send,receive,copy_receive,layout", [
+    (False, True, True, False, False, False), (True, True, True, False, False, False),
+    (False, False, True, False, False, False), (False, True, False, True, False, False),
+    (True, True, False, True, False, False), (False, True, True, True, False, False),
+    (True, False, True, True, False, False), (True, False, True, False, True, False),
+    (False, True, True, False, True, False), (True, True, False, True, False, True),
+    (False, True, True, True, False, True)])
 def test_dispatch_kernel_compiles(has_scales: bool, has_topk: bool, send: bool, receive: bool,
-                                  copy_receive: bool) -> None:
+                                  copy_receive: bool, layout: bool) -> None:
     kernel = compile_for_hopper(
         dispatch_kernel,
         dict(x_ptr=I32, x_words=3584, scales_ptr=I32, scale_words=56, scale_token_stride=56, scale_col_stride=1,
              topk_idx_ptr=I64 if has_topk else I32, topk_weights_ptr=F32 if has_topk else I32, token_list_ptr=I32,
              token_list_stride=4096, prefix_ptr=I32, out_x_ptr=I32, out_scales_ptr=I32, out_idx_ptr=I64,
-             out_weights_ptr=F32, out_src_ptr=I32, num_out_rows=8192, guard_word=6, peer_base_ptrs=I64,
+             out_weights_ptr=F32, out_src_ptr=I32, num_out_rows=8192, guard_word=6, fields_ptr=I32,
+             topk_copy_ptr=I64, stats_ptr=I32, send_pos_ptr=I32, num_tokens=4096, num_max_tokens=4096, alignment=3,
+             has_stats=1, copy_topk=1, peer_base_ptrs=I64,
              staging_x=1 << 20,
              staging_scales=1 << 28, staging_idx=1 << 29, staging_weights=1 << 30, staging_src=(1 << 30) + 4096,
              capacity=8192, rank=0, epoch=5, released_target=48, release_due=1, experts_per_rank=128, status_ptr=I64,
              timeout_ns=60 * 10**9),
         dict(TAIL_WORD=2, DONE_WORD=322, ARRIVED_WORD=1300, MAX_CHANNELS=160, NUM_RANKS=2, NUM_SENDERS=12,
              NUM_RECEIVERS=12, SEND=send, RECEIVE=receive, COPY_RECEIVE=copy_receive, HAS_SCALES=has_scales,
-             HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8, BLOCK=2048, SIGNAL_EVERY=4),
+             HAS_TOPK=has_topk, NUM_TOPK=8, TOPK_PAD=8, SCALE_PAD=64, ROWS=8, BLOCK=2048, SIGNAL_EVERY=4,
+             LAYOUT=layout, PAD_ROWS=layout and send, RANKS_PAD=2, SCALEUP_RANKS=2, SCALEUP_PAD=2, EXPERTS_PAD=128,
+             META_PAD=16),
         num_warps=16)
     # The waits use acquire loads and the timer: check the inline PTX made it into the kernel.
     assert "ld.acquire.sys.global.b64" in kernel.asm["ptx"]

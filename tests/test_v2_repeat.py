@@ -197,11 +197,13 @@ def test_repeats_take_the_replays_and_launch_what_the_general_path_launches(inte
 
 
 # What a fresh V2 dispatch may add to V1's (get_dispatch_layout, then dispatch) on the NVLink
-# backend: the expert-layout launch and its outputs (one block for the handle's fields, the copy
-# of topk_idx), and, expanded, the block's views the call itself reads (source rows, weights:
-# the float32 view is a view and a detach) and the gather of the rows into their expanded places
+# backend: the handle fields' outputs (one block for the fields, the copy of topk_idx), which the
+# dispatch's receivers write (no launch of their own); expanded, the expert-layout launch, which
+# writes the expanded fields, the block's views the call itself reads (source rows, weights: the
+# float32 view is a view and a detach) and the gather of the rows into their expanded places
 # (zero padding: the padding rows zeroed).
-FRESH_LAUNCHES = ["tritonep::intranode::expert_layout"]
+FRESH_LAUNCHES: list[str] = []
+EXPANDED_LAUNCHES = ["tritonep::intranode::expert_layout"]
 FRESH_OPS = Counter({"aten.empty": 2})
 EXPANDED_OPS = FRESH_OPS + Counter({"aten.slice": 2, "aten.view": 1, "aten.detach": 1, "aten.clamp": 1,
                                     "aten.index_select": 1})
@@ -210,7 +212,7 @@ ZERO_PADDING_OPS = EXPANDED_OPS + Counter({"aten.lt": 1, "aten.view": 1, "aten.m
 # V2 once (on GPUs neither does: the layout kernel counts bad ids).
 V1_ONLY_ON_CPU = Counter({"aten.aminmax": 1, "aten._local_scalar_dense": 2})
 # Without a CPU sync V1's outputs have their padding rows filled (source -1, expert -1, weight 0);
-# V2's expert-layout launch writes them instead (DispatchRequest.pad_outputs).
+# whatever writes V2's handle fields writes them instead (DispatchRequest.pad_outputs).
 V1_ONLY_PADDED = V1_ONLY_ON_CPU + Counter({"aten.fill_": 2, "aten.zero_": 1})
 
 
@@ -241,16 +243,18 @@ def fresh_dispatch_work(group: dist.ProcessGroup) -> list[str]:
                                    **options)
 
     worst = group.size() * TOKENS
-    pairs = {"fresh": (v1_fresh(0), v2_fresh(), FRESH_OPS, V1_ONLY_ON_CPU),
-             "fresh, no CPU sync": (v1_fresh(worst), v2_fresh(do_cpu_sync=False), FRESH_OPS, V1_ONLY_PADDED),
-             "fresh, expanded": (v1_fresh(0), v2_fresh(do_expand=True), EXPANDED_OPS, V1_ONLY_ON_CPU),
+    pairs = {"fresh": (v1_fresh(0), v2_fresh(), FRESH_LAUNCHES, FRESH_OPS, V1_ONLY_ON_CPU),
+             "fresh, no CPU sync": (v1_fresh(worst), v2_fresh(do_cpu_sync=False), FRESH_LAUNCHES, FRESH_OPS,
+                                    V1_ONLY_PADDED),
+             "fresh, expanded": (v1_fresh(0), v2_fresh(do_expand=True), EXPANDED_LAUNCHES, EXPANDED_OPS,
+                                 V1_ONLY_ON_CPU),
              "fresh, no CPU sync, expanded, zero padding": (
-                 v1_fresh(worst), v2_fresh(do_cpu_sync=False, do_expand=True, do_zero_padding=True), ZERO_PADDING_OPS,
-                 V1_ONLY_PADDED)}
+                 v1_fresh(worst), v2_fresh(do_cpu_sync=False, do_expand=True, do_zero_padding=True),
+                 EXPANDED_LAUNCHES, ZERO_PADDING_OPS, V1_ONLY_PADDED)}
     problems = []
     try:
         with launches_counted() as launches:
-            for what, (v1_call, v2_call, expected_ops, v1_only_ops) in pairs.items():
+            for what, (v1_call, v2_call, expected_launches, expected_ops, v1_only_ops) in pairs.items():
                 counted = []
                 for call in (v1_call, v2_call):
                     call()   # the first call of a shape makes what later ones reuse
@@ -258,9 +262,9 @@ def fresh_dispatch_work(group: dist.ProcessGroup) -> list[str]:
                     counted.append((torch_ops(call), [name for name, _ in launches]))
                 (v1_ops, v1_launches), (v2_ops, v2_launches) = counted
                 added_launches = [name for name in v2_launches if name not in v1_launches]
-                if added_launches != FRESH_LAUNCHES or v2_launches[:len(v1_launches)] != v1_launches:
+                if added_launches != expected_launches or v2_launches[:len(v1_launches)] != v1_launches:
                     problems.append(f"{what}: V2 launches {v2_launches}, V1 {v1_launches}: expected V1's and "
-                                    f"{FRESH_LAUNCHES}")
+                                    f"{expected_launches}")
                 if v2_ops - v1_ops != expected_ops or v1_ops - v2_ops != v1_only_ops:
                     problems.append(f"{what}: V2 runs {dict(v2_ops - v1_ops)} more torch ops than V1 and "
                                     f"{dict(v1_ops - v2_ops)} fewer, expected {dict(expected_ops)} more and "
@@ -271,7 +275,8 @@ def fresh_dispatch_work(group: dist.ProcessGroup) -> list[str]:
     return problems
 
 
-def test_fresh_dispatch_adds_one_launch_and_its_outputs(interpreter_pools) -> None:
+def test_fresh_dispatch_adds_only_the_handle_fields_outputs(interpreter_pools) -> None:
+    """Not expanded, no launch (the dispatch's receivers write the fields); expanded, one."""
     for num_ranks in (1, 2):
         problems = interpreter_pools(num_ranks).run(fresh_dispatch_work)
         assert problems == [[]] * num_ranks

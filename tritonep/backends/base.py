@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tritonep.core.config import Config
-from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest, HandleFieldsRequest
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 from tritonep.core.replay import Replay
 
@@ -42,6 +42,9 @@ class DispatchRequest:
     # values (source -1, expert -1, weight 0) may leave them unwritten: that launch instead of
     # three fills.
     pad_outputs: bool = True
+    # V2's handle fields (not expanded): a backend that can writes them in the dispatch itself and
+    # returns them as ``DispatchResult.layout``; None: not asked.
+    handle_fields: HandleFieldsRequest | None = None
 
     def padding_is_guaranteed(self, num_ranks: int) -> bool:
         """Whether num_worst_tokens holds every row that can arrive, so that no later call needs
@@ -62,6 +65,8 @@ class DispatchResult:
     # A cached dispatch's replay: called as replay(x, x_scales), it returns recv_x (or
     # (recv_x, recv_x_scales)) or None. None: this call cannot be replayed.
     replay: Replay | None = None
+    # V2's handle fields when ``DispatchRequest.handle_fields`` asked and the backend wrote them.
+    layout: ExpertLayout | None = None
 
 
 @dataclass

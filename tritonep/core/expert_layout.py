@@ -43,6 +43,17 @@ class ExpertLayoutRequest:
     stats: torch.Tensor | None         # int32 [E/R], incremented by the received counts
 
 
+@dataclass
+class HandleFieldsRequest:
+    """Asks a fresh dispatch for the fields of a V2 handle that is not expanded, written by the
+    dispatch itself where its backend can (``DispatchResult.layout``; else the caller asks
+    ``Backend.expert_layout``). The rest of ``ExpertLayoutRequest`` comes from the dispatch."""
+
+    num_scaleup_ranks: int
+    copy_topk_idx: bool
+    stats: torch.Tensor | None
+
+
 class LayoutSizes(NamedTuple):
     """The shape of one layout; fixes where each field sits in its block (``offsets``)."""
 
@@ -54,18 +65,20 @@ class LayoutSizes(NamedTuple):
     num_expanded: int | None   # None: not expanded
 
     def offsets(self) -> tuple[int, ...]:
-        """Word offsets of counts, psum_per_expert, psum_per_scaleup_rank, recv_src_metadata,
-        dst_buffer_slot_idx, slots, expanded_source, expanded_weights, and the end. The expert
-        layout kernel places them the same way (``_field_pointers``)."""
+        """Word offsets in the block of counts, psum_per_expert, psum_per_scaleup_rank,
+        dst_buffer_slot_idx, recv_src_metadata, slots, expanded_source, expanded_weights, and
+        the end. The fields placed before the metadata depend only on the call's shape, so a
+        block sized for more rows holds every field where the received rows' count puts it.
+        The kernels place them the same way (``handle_fields.field_pointers``)."""
         E, S, M, K, N = self.experts_per_rank, self.num_scaleup_ranks, self.num_rows, self.num_topk, self.num_tokens
         X = self.num_expanded or 0
-        metadata = 2 * E + S
-        dst = metadata + M * (K + 2)
-        slots = dst + N * K
+        dst = 2 * E + S
+        metadata = dst + N * K
+        slots = metadata + M * (K + 2)
         expanded = self.num_expanded is not None
         source = slots + (M * K if expanded else 0)
         weights = source + X
-        return 0, E, 2 * E, metadata, dst, slots, source, weights, weights + X
+        return 0, E, 2 * E, dst, metadata, slots, source, weights, weights + X
 
 
 class ExpertLayout:
@@ -116,12 +129,12 @@ class ExpertLayout:
         return self._field(2)
 
     @functools.cached_property
-    def recv_src_metadata(self) -> torch.Tensor:
-        return self._field(3).view(self.sizes.num_rows, self.sizes.num_topk + 2)
+    def dst_buffer_slot_idx(self) -> torch.Tensor:
+        return self._field(3).view(self.sizes.num_tokens, self.sizes.num_topk)
 
     @functools.cached_property
-    def dst_buffer_slot_idx(self) -> torch.Tensor:
-        return self._field(4).view(self.sizes.num_tokens, self.sizes.num_topk)
+    def recv_src_metadata(self) -> torch.Tensor:
+        return self._field(4).view(self.sizes.num_rows, self.sizes.num_topk + 2)
 
     @functools.cached_property
     def slots(self) -> torch.Tensor | None:
@@ -278,8 +291,8 @@ def expert_layout(request: ExpertLayoutRequest, rank: int) -> ExpertLayout:
                         request.topk_idx.shape[0], request.num_expanded)
     fields = [counts, expert_prefix(counts, starts, request.expert_alignment),
               scaleup_prefix(per_source, request.num_scaleup_ranks),
-              source_metadata(handle, per_source, recv_idx, slots, request.num_max_tokens_per_rank),
-              destination_rows(request.topk_idx, handle, rank, request.experts_per_rank)]
+              destination_rows(request.topk_idx, handle, rank, request.experts_per_rank),
+              source_metadata(handle, per_source, recv_idx, slots, request.num_max_tokens_per_rank)]
     if slots is not None:
         fields += [slots, source, weights.view(torch.int32)]
     block = torch.cat([field.reshape(-1).to(torch.int32) for field in fields])

@@ -1,10 +1,12 @@
 """V2's dispatch and combine as requests to one backend, plus the plain-torch work around them.
 
 A fresh V2 dispatch is a V1 dispatch of the same routing (``get_dispatch_layout``, then
-``dispatch`` with ``num_worst_tokens = R * T`` when there is no CPU sync), followed by the
-handle's fields, which the backend works out from what its dispatch left
-(``Backend.expert_layout``: one launch on the NVLink backend, plain torch on the collective one;
-:mod:`tritonep.core.expert_layout` defines them), and, for ``do_expand``, the rows copied to
+``dispatch`` with ``num_worst_tokens = R * T`` when there is no CPU sync) and the handle's
+fields (:mod:`tritonep.core.expert_layout` defines them): on the NVLink backend its dispatch's
+receivers write them (``DispatchRequest.handle_fields``), except for the expanded layout, which,
+like every field on the other backends, the backend works out from what its dispatch left
+(``Backend.expert_layout``: one launch on the NVLink backend, plain torch on the collective
+one); and, for ``do_expand``, the rows copied to
 their expanded places (:mod:`tritonep.v2.expand`). A cached dispatch is the engine's cached
 dispatch, or, when it also carries top-k weights (which an engine's cached dispatch does not
 move), a fresh engine dispatch of the handle's top-k. Combine asks the backend for V2's
@@ -22,7 +24,7 @@ import torch
 from tritonep.backends.base import Backend, CombineRequest, DispatchRequest, DispatchResult, OwnSlots
 from tritonep.core.config import Config
 from tritonep.core.event import EventOverlap
-from tritonep.core.expert_layout import ExpertLayoutRequest, expand_weights
+from tritonep.core.expert_layout import ExpertLayoutRequest, HandleFieldsRequest, expand_weights
 from tritonep.core.replay import ReplayTable, handle_replay, learn_handle_replay
 from tritonep.v2 import expand
 from tritonep.v2.checks import CombineCall, DispatchCall
@@ -104,32 +106,38 @@ def _col_major(scales: torch.Tensor | None, enabled: bool) -> torch.Tensor | Non
 
 
 def _engine_dispatch(engine: Engine, call: DispatchCall, weights: torch.Tensor, num_worst_tokens: int,
-                     num_sms: int, pad_outputs: bool = True) -> DispatchResult:
+                     num_sms: int, pad_outputs: bool = True,
+                     handle_fields: HandleFieldsRequest | None = None) -> DispatchResult:
     """A fresh engine dispatch of ``call.topk_idx`` (layout, then dispatch). The engine learns T,
     which it compares across ranks, so that padding to R x T needs no later check.
-    ``pad_outputs``: as ``DispatchRequest``'s (False only with ``expert_layout`` to follow)."""
+    ``pad_outputs``, ``handle_fields``: as ``DispatchRequest``'s (``pad_outputs`` False only
+    with the handle's fields to follow or asked for)."""
     backend = engine.backend
     per_rank, per_expert, in_rank = backend.get_dispatch_layout(call.topk_idx, call.num_experts)
     return backend.dispatch(DispatchRequest(
         x=call.x, x_scales=call.scales, topk_idx=call.topk_idx, topk_weights=weights, is_token_in_rank=in_rank,
         num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, num_experts=call.num_experts,
         expert_alignment=call.expert_alignment, num_worst_tokens=num_worst_tokens, cached_handle=None,
-        config=engine.config(num_sms), num_max_tokens_per_rank=call.num_max_tokens_per_rank, pad_outputs=pad_outputs))
+        config=engine.config(num_sms), num_max_tokens_per_rank=call.num_max_tokens_per_rank, pad_outputs=pad_outputs,
+        handle_fields=handle_fields))
 
 
 def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
-    """A dispatch without a handle: the engine's, then the handle's fields from the backend
-    (one launch on the NVLink backend) and, expanded, the rows in their expanded places."""
+    """A dispatch without a handle: the engine's, with the handle's fields written by the
+    dispatch itself where the backend can (the NVLink backend, not expanded), else from the
+    backend's ``expert_layout`` after it; expanded, then the rows in their expanded places."""
     R, T = engine.num_ranks, call.num_max_tokens_per_rank
     num_tokens, num_topk = call.topk_idx.shape
     experts_per_rank = call.num_experts // R
     # The engines move top-k weights with top-k ids; V2 lets a dispatch go without weights.
     weights = call.topk_weights if call.topk_weights is not None else \
         torch.zeros(num_tokens, num_topk, dtype=torch.float32, device=call.x.device)
-    # Without a CPU sync the outputs are padded to R * T rows: the expert layout below writes
-    # the padding's empty values (``DispatchRequest.pad_outputs``).
+    # Without a CPU sync the outputs are padded to R * T rows: whatever writes the handle's
+    # fields writes the padding's empty values too (``DispatchRequest.pad_outputs``).
+    in_dispatch = None if call.do_expand else HandleFieldsRequest(engine.num_scaleup_ranks, options.do_handle_copy,
+                                                                  options.stats)
     result = _engine_dispatch(engine, call, weights, 0 if call.do_cpu_sync else R * T, options.num_sms,
-                              pad_outputs=False)
+                              pad_outputs=False, handle_fields=in_dispatch)
     wait_for(options.before_epilogue)
     engine_handle, recv_idx, recv_weights = result.handle, result.recv_topk_idx, result.recv_topk_weights
     assert recv_idx is not None and recv_weights is not None
@@ -141,7 +149,7 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
         expert_list = []
         num_recv = R * T
         num_expanded = expand.worst_expanded_rows(R, T, num_topk, experts_per_rank, call.expert_alignment)
-    fields = engine.backend.expert_layout(ExpertLayoutRequest(
+    fields = result.layout if result.layout is not None else engine.backend.expert_layout(ExpertLayoutRequest(
         engine_handle, call.topk_idx, recv_idx, recv_weights, experts_per_rank, call.expert_alignment, T,
         engine.num_scaleup_ranks, num_expanded if call.do_expand else None, options.do_handle_copy, options.stats))
     recv_x, recv_scales = result.recv_x, result.recv_x_scales

@@ -33,12 +33,18 @@ from tritonep.backends.nvlink.normal.combine_kernel import COMBINE
 from tritonep.backends.nvlink.normal.counts import CountExchange
 from tritonep.backends.nvlink.normal.dispatch_copy_engine import RECEIVERS as COPY_RECEIVERS
 from tritonep.backends.nvlink.normal.dispatch_copy_engine import DispatchCopier, staged_ranges
-from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH
+from tritonep.backends.nvlink.normal.dispatch_kernel import DISPATCH, DISPATCH_WITH_FIELDS
 from tritonep.backends.nvlink.normal.expert_layout_kernel import ExpertLayouts
 from tritonep.backends.nvlink.normal.layout_kernel import DispatchLayout
 from tritonep.backends.nvlink.normal.notify_kernel import check_word
 from tritonep.backends.nvlink.normal.replay import CachedDispatchReplay, CombineReplay, CopyReceive, Rebinding
-from tritonep.backends.nvlink.normal.shape import DispatchShape, Placeholders, dispatch_outputs, guess_rows
+from tritonep.backends.nvlink.normal.shape import (
+    DispatchShape,
+    Placeholders,
+    dispatch_outputs,
+    guess_rows,
+    handle_fields_arguments,
+)
 from tritonep.backends.nvlink.normal.state import NormalState, SendPlan
 from tritonep.backends.nvlink.tuning import (
     Tuning,
@@ -49,7 +55,7 @@ from tritonep.backends.nvlink.tuning import (
     tile_shape,
 )
 from tritonep.core.checks import InputError
-from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest, LayoutSizes
 from tritonep.core.handles import DispatchHandle
 from tritonep.core.routing import round_up_counts
 from tritonep.runtime.launcher import as_words
@@ -209,14 +215,17 @@ class NormalEngine:
         behind = shape.staging + (state.dispatch_epoch, state.dispatch_released, release_due) + self._status_args
 
         launched = None   # the compiled launch that filled the outputs: a cached dispatch learns it
+        # V2's handle fields (not expanded), written by the receivers of a fresh dispatch.
+        fields = request.handle_fields if handle is None and has_topk else None
+        fields_block: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
-            DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + behind, shape.send_constants,
-                     t.warps)
+            DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + shape.no_fields + behind,
+                     shape.send_constants, t.warps)
             state.dispatch_release_due = 0
 
         def receive(rows: int, guard_word: int = 0, roles: str = "receive") -> tuple[torch.Tensor, ...]:
-            nonlocal launched
+            nonlocal launched, fields_block
             pad = request.num_worst_tokens > 0 and request.pad_outputs
             outputs = dispatch_outputs(x, scales, shape, has_topk, rows, pad, self.device,
                                        plan.recv_src_scratch(rows, self.device) if handle is not None else None)
@@ -228,7 +237,18 @@ class NormalEngine:
                 "receive": (shape.receivers, shape.receive_setup, shape.receive_constants),
                 "both": (shape.both_programs, shape.both_setup, shape.both_constants),
                 "copy": (shape.copy_programs, shape.copy_setup, shape.copy_constants)}[roles]
-            launched = DISPATCH(programs, setup, ahead + output_args + behind, constants, t.warps)
+            if fields is None:
+                launched = DISPATCH(programs, setup, ahead + output_args + shape.no_fields + behind, constants,
+                                    t.warps)
+            else:
+                fields_args, fields_block = handle_fields_arguments(request, fields, shape, plan.send_pos, rows,
+                                                                    self.placeholders, self.device)
+                # Worst-case outputs: the receivers write the empty rows (not filled above).
+                pad_rows = request.num_worst_tokens > 0 and not pad
+                launched = DISPATCH_WITH_FIELDS(
+                    programs, (setup, fields.num_scaleup_ranks, request.num_max_tokens_per_rank, pad_rows),
+                    ahead + output_args + fields_args + behind,
+                    shape.fields_constants(constants, fields.num_scaleup_ranks, pad_rows), t.warps)
             if constants["SEND"]:
                 state.dispatch_release_due = 0
             return outputs
@@ -280,10 +300,15 @@ class NormalEngine:
         if reads_counts:   # host bookkeeping, after the launch
             plan.host_prefix = host[: R * R]
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
+        layout = None
+        if fields_block is not None:
+            layout = ExpertLayout(fields_block[0], LayoutSizes(shape.experts_per_rank, fields.num_scaleup_ranks,
+                                                               num_out_rows, shape.num_topk, x.shape[0], None),
+                                  fields_block[1] if fields_block[1] is not None else request.topk_idx)
         if handle is None:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle, replay)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle, replay, layout)
 
     def expert_layout(self, request: ExpertLayoutRequest) -> ExpertLayout:
         """The layout of a fresh dispatch's rows by expert, source and destination, in one launch

@@ -1,5 +1,8 @@
 """A fresh dispatch's layout by expert, source and destination (DeepEP V2's handle fields, as
 ``core/expert_layout.py`` defines them) in one launch, from what the dispatch left on the GPU.
+A V2 dispatch that is not expanded has its receivers write these fields themselves
+(``dispatch_kernel.py``, ``LAYOUT``); this launch serves the expanded layout, whose slots need
+every row of a source in place, and any caller that asks for the fields apart.
 
 The count exchange's result already holds ``rank_prefix_matrix``, the pairs each local expert
 receives and, per source rank, where its pairs start in each expert's block; the send plan holds
@@ -21,7 +24,7 @@ elements and none waiting for another:
   expert's block (worst-case outputs) between them.
 
 The fields share one int32 block (``core.expert_layout.LayoutSizes`` places them; the kernel
-finds them by the same arithmetic, ``_field_pointers``). The host allocates it and launches
+finds them by the same arithmetic, ``handle_fields.field_pointers``). The host allocates it and launches
 (``ExpertLayouts``: after a setup's first call, a learnt launch with the call's addresses);
 nothing is read back, so a ``do_cpu_sync=False`` dispatch stays capturable in a CUDA graph.
 """
@@ -32,61 +35,18 @@ import torch
 import triton
 import triton.language as tl
 
+from tritonep.backends.nvlink.normal.handle_fields import (
+    aligned_counts,
+    expert_vectors,
+    field_pointers,
+    first_local_k,
+    token_fields,
+)
 from tritonep.backends.nvlink.normal.notify_kernel import source_expert_word
 from tritonep.backends.nvlink.normal.shape import Placeholders
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest, LayoutSizes
 from tritonep.runtime import kernel_names
 from tritonep.runtime.launcher import FastLauncher, aligned, current_stream, next_power_of_2
-
-
-@triton.jit
-def _aligned(counts, alignment):
-    return (counts + alignment - 1) // alignment * alignment
-
-
-@triton.jit
-def _field_pointers(fields_ptr, num_rows, num_tokens, num_expanded, experts_per_rank, SCALEUP_RANKS: tl.constexpr,
-                    NUM_TOPK: tl.constexpr):
-    """Each field's place in the block, in ``LayoutSizes.offsets``'s order (the expanded
-    layout's three fields are only used with EXPAND, when the block holds them)."""
-    psum_expert_ptr = fields_ptr + experts_per_rank
-    psum_scaleup_ptr = psum_expert_ptr + experts_per_rank
-    metadata_ptr = psum_scaleup_ptr + SCALEUP_RANKS
-    dst_ptr = metadata_ptr + num_rows.to(tl.int64) * (NUM_TOPK + 2)
-    slots_ptr = dst_ptr + num_tokens.to(tl.int64) * NUM_TOPK
-    source_ptr = slots_ptr + num_rows.to(tl.int64) * NUM_TOPK
-    weights_ptr = (source_ptr + num_expanded).to(tl.pointer_type(tl.float32), bitcast=True)
-    return fields_ptr, psum_expert_ptr, psum_scaleup_ptr, metadata_ptr, dst_ptr, slots_ptr, source_ptr, weights_ptr
-
-
-@triton.jit
-def _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
-                    experts_per_rank, alignment, NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr,
-                    SCALEUP_RANKS: tl.constexpr, SCALEUP_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                    EXPAND: tl.constexpr):
-    experts = tl.arange(0, EXPERTS_PAD)
-    expert_mask = experts < experts_per_rank
-    counts = tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + experts, mask=expert_mask, other=0)
-    tl.store(counts_ptr + experts, counts, mask=expert_mask)
-    aligned = _aligned(counts, alignment)
-    ends = tl.cumsum(aligned, axis=0)
-    if EXPAND:   # the expert's aligned start plus its count
-        tl.store(psum_expert_ptr + experts, ends - aligned + counts, mask=expert_mask)
-    else:
-        tl.store(psum_expert_ptr + experts, ends, mask=expert_mask)
-    if has_stats:   # one program writes them: no other program touches the stats
-        stats = tl.load(stats_ptr + experts, mask=expert_mask, other=0)
-        tl.store(stats_ptr + experts, stats + counts, mask=expert_mask)
-    # Rows from each source (rank_prefix_matrix's column), summed over the sources of each
-    # scale-up index up to u.
-    sources = tl.arange(0, RANKS_PAD)
-    source_mask = sources < NUM_RANKS
-    from_source = tl.load(exchange_ptr + sources * NUM_RANKS + rank, mask=source_mask, other=0) - tl.load(
-        exchange_ptr + (sources - 1) * NUM_RANKS + rank, mask=source_mask & (sources > 0), other=0)
-    units = tl.arange(0, SCALEUP_PAD)
-    grouped = tl.where(((sources % SCALEUP_RANKS)[None, :] <= units[:, None]) & source_mask[None, :],
-                       from_source[None, :], 0)
-    tl.store(psum_scaleup_ptr + units, tl.sum(grouped, axis=1), mask=units < SCALEUP_RANKS)
 
 
 @triton.jit
@@ -115,9 +75,7 @@ def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr,
         src_rank = tl.sum(((source_ends[None, :] <= rows[:, None]) & source_mask[None, :]).to(tl.int32), axis=1)
         ids = tl.load(recv_idx_ptr + pairs, mask=pair_mask & real[:, None], other=-1)
         elsewhere = ids < 0
-        # The first k whose expert is local (0 if none, as argmax gives).
-        first_k = tl.min(tl.where(elsewhere, TOPK_PAD, ks[None, :]), axis=1)
-        first_k = tl.where(first_k < NUM_TOPK, first_k, 0)
+        first_k = first_local_k(ids, NUM_TOPK, TOPK_PAD)
         metadata = metadata_ptr + rows.to(tl.int64) * (NUM_TOPK + 2)
         tl.store(metadata, tl.where(real, src_rank * num_max_tokens + src_token, -1), mask=row_mask)
         tl.store(metadata + 1, tl.where(real, src_rank * NUM_TOPK + first_k, -1), mask=row_mask)
@@ -126,26 +84,6 @@ def _row_fields(program, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr,
             tl.store(slots_ptr + pairs, -1, mask=pair_mask & elsewhere)
         else:
             tl.store(metadata[:, None] + 2 + ks[None, :], -1, mask=pair_mask)
-
-
-@triton.jit
-def _token_fields(program, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr, topk_copy_ptr,
-                  copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS: tl.constexpr, NUM_TOPK: tl.constexpr,
-                  TOPK_PAD: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
-    ks = tl.arange(0, TOPK_PAD)
-    for t0 in range(program * BLOCK_TOKENS, num_tokens, token_programs * BLOCK_TOKENS):
-        tokens = t0 + tl.arange(0, BLOCK_TOKENS)
-        mask = (tokens < num_tokens)[:, None] & (ks < NUM_TOPK)[None, :]
-        offsets = tokens.to(tl.int64)[:, None] * NUM_TOPK + ks[None, :]
-        ids = tl.load(topk_idx_ptr + offsets, mask=mask, other=-1)
-        tl.store(topk_copy_ptr + offsets, ids, mask=mask & (copy_topk != 0))
-        valid = ids >= 0
-        dest = tl.where(valid, ids // experts_per_rank, 0)
-        # Rows from lower ranks come first at dest (rank_prefix_matrix[rank - 1, dest]), then
-        # this rank's in token order: the token's place among those sent to dest.
-        before = tl.load(exchange_ptr + (rank - 1) * NUM_RANKS + dest, mask=mask & valid & (rank > 0), other=0)
-        place = tl.load(send_pos_ptr + tokens.to(tl.int64)[:, None] * NUM_RANKS + dest, mask=mask & valid, other=0)
-        tl.store(dst_ptr + offsets, tl.where(valid, before + place, -1), mask=mask)
 
 
 @triton.jit
@@ -158,7 +96,7 @@ def _expanded_slots(program, exchange_ptr, recv_idx_ptr, recv_weights_ptr, metad
     experts = (program % groups) * EXPERT_GROUP + tl.arange(0, EXPERT_GROUP)
     expert_mask = experts < experts_per_rank
     all_experts = tl.arange(0, EXPERTS_PAD)
-    all_aligned = _aligned(tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + all_experts,
+    all_aligned = aligned_counts(tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + all_experts,
                                    mask=all_experts < experts_per_rank, other=0), alignment)
     # Each expert's block starts after the aligned blocks of the experts before it; this
     # source's pairs in it after those of the lower sources (the exchange's per-source prefix).
@@ -198,7 +136,7 @@ def _expanded_slots(program, exchange_ptr, recv_idx_ptr, recv_weights_ptr, metad
     if source == 0:
         counts = tl.load(exchange_ptr + NUM_RANKS * NUM_RANKS + experts, mask=expert_mask, other=0)
         gap_start = starts + counts
-        gap = _aligned(counts, alignment) - counts
+        gap = aligned_counts(counts, alignment) - counts
         for j0 in range(0, alignment - 1, BLOCK_SLOTS):
             j = j0 + tl.arange(0, BLOCK_SLOTS)
             position = gap_start[:, None] + j[None, :]
@@ -228,21 +166,21 @@ def expert_layout_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCK_SLOTS: tl.constexpr, EXPAND: tl.constexpr,
 ):
     program = tl.program_id(0)
-    counts_ptr, psum_expert_ptr, psum_scaleup_ptr, metadata_ptr, dst_ptr, slots_ptr, source_ptr, \
-        expanded_weights_ptr = _field_pointers(fields_ptr, num_rows, num_tokens, num_expanded, experts_per_rank,
-                                               SCALEUP_RANKS, NUM_TOPK)
+    counts_ptr, psum_expert_ptr, psum_scaleup_ptr, dst_ptr, metadata_ptr, slots_ptr, source_ptr, \
+        expanded_weights_ptr = field_pointers(fields_ptr, num_rows, num_tokens, num_expanded, experts_per_rank,
+                                              SCALEUP_RANKS, NUM_TOPK)
     if program == 0:
-        _expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
-                        experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
-                        EXPAND)
+        expert_vectors(exchange_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
+                       experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
+                       EXPAND)
     elif program <= row_programs:
         _row_fields(program - 1, row_programs, exchange_ptr, recv_src_ptr, recv_idx_ptr, recv_weights_ptr,
                     metadata_ptr, slots_ptr, num_rows, rank, num_max_tokens, NUM_RANKS, RANKS_PAD, NUM_TOPK, TOPK_PAD,
                     BLOCK_ROWS, EXPAND)
     elif program <= row_programs + token_programs:
-        _token_fields(program - 1 - row_programs, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr,
-                      topk_copy_ptr, copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
-                      BLOCK_TOKENS)
+        token_fields(program - 1 - row_programs, token_programs, exchange_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr,
+                     topk_copy_ptr, copy_topk, num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD,
+                     BLOCK_TOKENS)
     elif EXPAND:
         _expanded_slots(program - 1 - row_programs - token_programs, exchange_ptr, recv_idx_ptr, recv_weights_ptr,
                         metadata_ptr, slots_ptr, source_ptr, expanded_weights_ptr, num_expanded, rank,

@@ -4,18 +4,21 @@
 num_sms) share: the staging regions, the program split, the kernel constants, the launches'
 setup keys and fixed argument groups, and the rows the latest fresh dispatch of the shape
 received, from which the next one sizes its outputs before its counts are known
-(``guess_rows``). ``dispatch_outputs`` allocates a dispatch's outputs.
+(``guess_rows``). ``dispatch_outputs`` allocates a dispatch's outputs, and
+``handle_fields_arguments`` those of V2's handle fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 
+from tritonep.backends.base import DispatchRequest
 from tritonep.backends.nvlink.memory import MAX_CHANNELS, StagingLayout, SymmetricBuffer
 from tritonep.backends.nvlink.tuning import Tuning, split_programs, tile_block, tile_shape
+from tritonep.core.expert_layout import HandleFieldsRequest, LayoutSizes
 from tritonep.runtime.platform import GPU_KERNELS
 
 
@@ -60,8 +63,10 @@ class DispatchShape:
     copy_constants: dict
     copy_setup: tuple
     unused_outputs: tuple   # the send half's outputs group: placeholders of the right types
+    no_fields: tuple        # the handle fields' group of a launch without them (placeholders, zeros)
     staging: tuple          # the kernel's staging-area group (dispatch_kernel.py)
     last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
+    _fields_constants: dict = field(default_factory=dict)
 
     @property
     def row_bytes(self) -> int:
@@ -84,7 +89,10 @@ class DispatchShape:
             MAX_CHANNELS=MAX_CHANNELS, NUM_RANKS=R, NUM_SENDERS=senders, NUM_RECEIVERS=receivers,
             HAS_SCALES=scale_words > 0, HAS_TOPK=num_topk > 0, NUM_TOPK=max(num_topk, 1),
             TOPK_PAD=triton.next_power_of_2(max(num_topk, 1)), SCALE_PAD=triton.next_power_of_2(max(scale_words, 1)),
-            GPU=GPU_KERNELS, **tile_shape(t.rows, 4 * x_words))
+            GPU=GPU_KERNELS, **tile_shape(t.rows, 4 * x_words),
+            # V2's handle fields: off, their shapes unused (``fields_constants`` sets them), so that
+            # every other launch compiles as one variant whatever they would be.
+            LAYOUT=False, PAD_ROWS=False, RANKS_PAD=1, SCALEUP_RANKS=1, SCALEUP_PAD=1, EXPERTS_PAD=1, META_PAD=1)
         constants["BLOCK"] = tile_block(t.block, constants["ROWS"], x_words)
         unused = placeholders(torch.int32)
         send, receive = dict(constants, SEND=True, RECEIVE=False), dict(constants, SEND=False, RECEIVE=True)
@@ -98,7 +106,20 @@ class DispatchShape:
             x_words, scale_words, num_topk, max(num_experts // R, 1), capacity, senders, receivers,
             send, receive, send_setup, receive_setup, *both, *copy,
             (unused, unused, placeholders(torch.int64), placeholders(torch.float32), unused, 0, 0),
+            (unused, placeholders(torch.int64), unused, unused, 0, 0, 1, 0, 0),
             (memory.peer_base_ptrs, memory.rank, *regions, capacity))
+
+    def fields_constants(self, constants: dict, num_scaleup_ranks: int, pad_rows: bool) -> dict:
+        """``constants`` (a receiving launch's) with V2's handle fields on, made once per kind."""
+        key = (id(constants), num_scaleup_ranks, pad_rows)
+        made = self._fields_constants.get(key)
+        if made is None:
+            pow2 = triton.next_power_of_2
+            made = self._fields_constants[key] = dict(
+                constants, LAYOUT=True, PAD_ROWS=pad_rows, RANKS_PAD=pow2(constants["NUM_RANKS"]),
+                SCALEUP_RANKS=num_scaleup_ranks, SCALEUP_PAD=pow2(num_scaleup_ranks),
+                EXPERTS_PAD=pow2(self.experts_per_rank), META_PAD=pow2(constants["NUM_TOPK"] + 2))
+        return made
 
 
 def guess_rows(shape: DispatchShape, tuning: Tuning) -> int | None:
@@ -131,3 +152,21 @@ def dispatch_outputs(x: torch.Tensor, scales: torch.Tensor | None, shape: Dispat
             recv_idx.fill_(-1)
             recv_weights.zero_()
     return recv_x, recv_scales, recv_idx, recv_weights, recv_src
+
+
+def handle_fields_arguments(request: DispatchRequest, fields: HandleFieldsRequest, shape: DispatchShape,
+                            send_pos: torch.Tensor, rows: int, placeholders: Placeholders, device: torch.device
+                            ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The dispatch kernel's handle-fields group for a launch into ``rows`` output rows, and the
+    block and topk_idx copy it writes (``LayoutSizes``: a block sized for ``rows`` holds every
+    field of fewer rows in place). ``send_pos``: the send plan's positions (notify_kernel.py)."""
+    num_tokens, num_topk = request.topk_idx.shape
+    sizes = LayoutSizes(shape.experts_per_rank, fields.num_scaleup_ranks, rows, num_topk, num_tokens, None)
+    block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=device)
+    topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) if fields.copy_topk_idx else None
+    stats = fields.stats
+    args = (block, topk_copy if topk_copy is not None else placeholders(torch.int64),
+            stats if stats is not None else placeholders(torch.int32), send_pos, num_tokens,
+            request.num_max_tokens_per_rank, request.expert_alignment, int(stats is not None),
+            int(topk_copy is not None))
+    return args, (block, topk_copy)
