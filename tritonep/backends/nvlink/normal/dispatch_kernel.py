@@ -50,14 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tritonep.backends.nvlink.normal.handle_fields import (
-    expert_vectors,
-    field_pointers,
-    first_local_k,
-    padding_rows,
-    store_metadata,
-    token_fields,
-)
+from tritonep.backends.nvlink.normal.handle_fields import receiver_fields
 from tritonep.device.rows import block_count, block_start, channel_range, copy_rows
 from tritonep.device.signals import add_release, publish, wait_at_least
 from tritonep.device.status_codes import PHASE_DISPATCH_DATA, PHASE_DISPATCH_SLOT
@@ -181,64 +174,6 @@ def _receive_goes_ahead(prefix_ptr, guard_word, num_out_rows, capacity, rank, NU
     return go
 
 
-# Rows (tokens) per step of the handle fields' loops.
-FIELD_BLOCK = tl.constexpr(128)
-
-
-@triton.jit
-def _rows_metadata(first_row, last_row, source, out_idx_ptr, out_src_ptr, metadata_ptr, num_max_tokens,
-                   NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, META_PAD: tl.constexpr):
-    """V2's source metadata of output rows [first_row, last_row), which this program wrote and
-    which came from ``source``, read back from the outputs."""
-    ks = tl.arange(0, TOPK_PAD)
-    for r0 in range(first_row, last_row, FIELD_BLOCK):
-        rows = r0 + tl.arange(0, FIELD_BLOCK)
-        mask = rows < last_row
-        ids = tl.load(out_idx_ptr + rows.to(tl.int64)[:, None] * NUM_TOPK + ks[None, :],
-                      mask=mask[:, None] & (ks < NUM_TOPK)[None, :], other=-1)
-        src = tl.load(out_src_ptr + rows, mask=mask, other=0)
-        store_metadata(metadata_ptr, rows, mask, source, src, first_local_k(ids, NUM_TOPK, TOPK_PAD), num_max_tokens,
-                       NUM_TOPK, META_PAD)
-
-
-@triton.jit
-def _handle_fields(pid, prefix_ptr, send_pos_ptr, topk_idx_ptr, stats_ptr, fields_ptr, topk_copy_ptr, out_idx_ptr,
-                   out_weights_ptr, out_src_ptr, num_out_rows, num_tokens, num_max_tokens, rank, experts_per_rank,
-                   alignment, has_stats, copy_topk, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr,
-                   NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SCALEUP_RANKS: tl.constexpr,
-                   SCALEUP_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
-                   TOPK_PAD: tl.constexpr, META_PAD: tl.constexpr, PAD_ROWS: tl.constexpr):
-    """V2's handle fields, by a receiver program once its rows are in: the metadata of the rows it
-    copied (its share of our own rows and its channels' rows, read back from the outputs), its
-    share of our tokens' destination rows and of the copy of topk_idx, of the empty rows of
-    worst-case outputs, and on receiver 0 the per-expert vectors. Apart from the copy loop, so that
-    the rows' path keeps its registers. The count exchange's result starts with
-    ``rank_prefix_matrix`` (``prefix_ptr``), then the per-expert counts."""
-    counts_ptr, psum_expert_ptr, psum_scaleup_ptr, dst_ptr, metadata_ptr, _, _, _ = field_pointers(
-        fields_ptr, num_out_rows, num_tokens, num_out_rows, experts_per_rank, SCALEUP_RANKS, NUM_TOPK)
-    tl.debug_barrier()   # the program's other threads wrote some of the rows read back here
-    start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
-    lo, hi = channel_range(block_count(prefix_ptr, rank, rank, NUM_RANKS), pid, NUM_RECEIVERS)
-    _rows_metadata(start + lo, start + hi, rank, out_idx_ptr, out_src_ptr, metadata_ptr, num_max_tokens, NUM_TOPK,
-                   TOPK_PAD, META_PAD)
-    for channel in range(pid, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
-        source = (rank + 1 + channel // NUM_SENDERS) % NUM_RANKS
-        start = block_start(prefix_ptr, source, rank, NUM_RANKS)
-        lo, hi = channel_range(block_count(prefix_ptr, source, rank, NUM_RANKS), channel % NUM_SENDERS, NUM_SENDERS)
-        _rows_metadata(start + lo, start + hi, source, out_idx_ptr, out_src_ptr, metadata_ptr, num_max_tokens,
-                       NUM_TOPK, TOPK_PAD, META_PAD)
-    if pid == 0:
-        expert_vectors(prefix_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
-                       experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
-                       False)
-    token_fields(pid, NUM_RECEIVERS, prefix_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr, topk_copy_ptr, copy_topk,
-                 num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD, FIELD_BLOCK)
-    if PAD_ROWS:
-        received = tl.load(prefix_ptr + (NUM_RANKS - 1) * NUM_RANKS + rank)
-        padding_rows(pid, NUM_RECEIVERS, received, num_out_rows, out_src_ptr, out_idx_ptr, out_weights_ptr,
-                     metadata_ptr, NUM_TOPK, TOPK_PAD, META_PAD, FIELD_BLOCK)
-
-
 @kernel_names.jit("tritonep::intranode::dispatch",
                   do_not_specialize=["rank", "epoch", "released_target", "release_due", "experts_per_rank",
                                      "num_out_rows", "guard_word", "capacity", "timeout_ns", "scale_words",
@@ -280,7 +215,7 @@ def dispatch_kernel(
     """One launch of ``NUM_SENDERS`` programs (``SEND``), of ``NUM_RECEIVERS`` (``RECEIVE``), or
     of both, senders first (``SEND`` and ``RECEIVE``); with ``COPY_RECEIVE`` (and ``SEND`` alone)
     the senders also count themselves in ``ARRIVED_WORD`` and copy our own rows. With ``LAYOUT``
-    the receivers also write V2's handle fields (``_handle_fields``)."""
+    the receivers also write V2's handle fields (``handle_fields.receiver_fields``)."""
     pid = tl.program_id(0)
     my_signals = tl.load(peer_base_ptrs + rank).to(tl.pointer_type(tl.int64))
     stamp = epoch.to(tl.int64) << 32
@@ -363,10 +298,10 @@ def dispatch_kernel(
         # Our reads of staging are done: let every source reuse it in its next call.
         release_staging(peer_base_ptrs, rank, 1, DONE_WORD, NUM_RANKS)
         if LAYOUT:
-            _handle_fields(pid, prefix_ptr, send_pos_ptr, topk_idx_ptr, stats_ptr, fields_ptr, topk_copy_ptr,
-                           out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows, num_tokens, num_max_tokens, rank,
-                           experts_per_rank, alignment, has_stats, copy_topk, NUM_SENDERS, NUM_RECEIVERS, NUM_RANKS,
-                           RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD, NUM_TOPK, TOPK_PAD, META_PAD, PAD_ROWS)
+            receiver_fields(pid, prefix_ptr, send_pos_ptr, topk_idx_ptr, stats_ptr, fields_ptr, topk_copy_ptr,
+                            out_idx_ptr, out_weights_ptr, out_src_ptr, num_out_rows, num_tokens, num_max_tokens, rank,
+                            experts_per_rank, alignment, has_stats, copy_topk, NUM_SENDERS, NUM_RECEIVERS, NUM_RANKS,
+                            RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD, NUM_TOPK, TOPK_PAD, META_PAD, PAD_ROWS)
 
 
 @triton.jit

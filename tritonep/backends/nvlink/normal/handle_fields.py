@@ -1,7 +1,7 @@
 """The device arithmetic of DeepEP V2's handle fields (``core/expert_layout.py`` defines them),
 shared by the two launches that write them: a V2 fresh dispatch's own receivers
-(``dispatch_kernel.py``, ``LAYOUT``) and, for the expanded layout, the expert-layout kernel
-(``expert_layout_kernel.py``).
+(``dispatch_kernel.py``, ``LAYOUT``: ``receiver_fields``) and, for the expanded layout, the
+expert-layout kernel (``expert_layout_kernel.py``).
 
 The fields share one int32 block, placed as ``LayoutSizes.offsets`` places them: the per-expert
 and per-scale-up vectors, then each token's destination rows, then each received row's source
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from tritonep.device.rows import block_count, block_start, channel_range
 
 
 @triton.jit
@@ -133,3 +135,62 @@ def padding_rows(program, num_programs, first_row, num_rows, recv_src_ptr, recv_
         tl.store(recv_weights_ptr + pairs, 0.0, mask=pair_mask)
         tl.store(metadata_ptr + rows.to(tl.int64)[:, None] * (NUM_TOPK + 2) + cols[None, :], -1,
                  mask=row_mask[:, None] & (cols < NUM_TOPK + 2)[None, :])
+
+
+# Rows (tokens) per step of the handle fields' loops.
+FIELD_BLOCK = tl.constexpr(128)
+
+
+@triton.jit
+def _rows_metadata(first_row, last_row, source, out_idx_ptr, out_src_ptr, metadata_ptr, num_max_tokens,
+                   NUM_TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, META_PAD: tl.constexpr):
+    """V2's source metadata of output rows [first_row, last_row), which this program wrote and
+    which came from ``source``, read back from the outputs."""
+    ks = tl.arange(0, TOPK_PAD)
+    for r0 in range(first_row, last_row, FIELD_BLOCK):
+        rows = r0 + tl.arange(0, FIELD_BLOCK)
+        mask = rows < last_row
+        ids = tl.load(out_idx_ptr + rows.to(tl.int64)[:, None] * NUM_TOPK + ks[None, :],
+                      mask=mask[:, None] & (ks < NUM_TOPK)[None, :], other=-1)
+        src = tl.load(out_src_ptr + rows, mask=mask, other=0)
+        store_metadata(metadata_ptr, rows, mask, source, src, first_local_k(ids, NUM_TOPK, TOPK_PAD), num_max_tokens,
+                       NUM_TOPK, META_PAD)
+
+
+@triton.jit
+def receiver_fields(pid, prefix_ptr, send_pos_ptr, topk_idx_ptr, stats_ptr, fields_ptr, topk_copy_ptr, out_idx_ptr,
+                    out_weights_ptr, out_src_ptr, num_out_rows, num_tokens, num_max_tokens, rank, experts_per_rank,
+                    alignment, has_stats, copy_topk, NUM_SENDERS: tl.constexpr, NUM_RECEIVERS: tl.constexpr,
+                    NUM_RANKS: tl.constexpr, RANKS_PAD: tl.constexpr, SCALEUP_RANKS: tl.constexpr,
+                    SCALEUP_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, NUM_TOPK: tl.constexpr,
+                    TOPK_PAD: tl.constexpr, META_PAD: tl.constexpr, PAD_ROWS: tl.constexpr):
+    """V2's handle fields, by a receiver program of the dispatch kernel (``LAYOUT``) once its rows
+    are in and its reads of staging released: the metadata of the rows it copied (its share of
+    our own rows and its channels' rows, split as ``dispatch_kernel`` splits them, read back from
+    the outputs), its share of our tokens' destination rows, of the copy of topk_idx and of the
+    empty rows of worst-case outputs, and on receiver 0 the per-expert vectors. Apart from the
+    copy loop, so that the rows' path keeps its registers. The count exchange's result starts with
+    ``rank_prefix_matrix`` (``prefix_ptr``), then the per-expert counts."""
+    counts_ptr, psum_expert_ptr, psum_scaleup_ptr, dst_ptr, metadata_ptr, _, _, _ = field_pointers(
+        fields_ptr, num_out_rows, num_tokens, num_out_rows, experts_per_rank, SCALEUP_RANKS, NUM_TOPK)
+    tl.debug_barrier()   # the program's other threads wrote some of the rows read back here
+    start = block_start(prefix_ptr, rank, rank, NUM_RANKS)
+    lo, hi = channel_range(block_count(prefix_ptr, rank, rank, NUM_RANKS), pid, NUM_RECEIVERS)
+    _rows_metadata(start + lo, start + hi, rank, out_idx_ptr, out_src_ptr, metadata_ptr, num_max_tokens, NUM_TOPK,
+                   TOPK_PAD, META_PAD)
+    for channel in range(pid, (NUM_RANKS - 1) * NUM_SENDERS, NUM_RECEIVERS):
+        source = (rank + 1 + channel // NUM_SENDERS) % NUM_RANKS
+        start = block_start(prefix_ptr, source, rank, NUM_RANKS)
+        lo, hi = channel_range(block_count(prefix_ptr, source, rank, NUM_RANKS), channel % NUM_SENDERS, NUM_SENDERS)
+        _rows_metadata(start + lo, start + hi, source, out_idx_ptr, out_src_ptr, metadata_ptr, num_max_tokens,
+                       NUM_TOPK, TOPK_PAD, META_PAD)
+    if pid == 0:
+        expert_vectors(prefix_ptr, stats_ptr, counts_ptr, psum_expert_ptr, psum_scaleup_ptr, has_stats, rank,
+                       experts_per_rank, alignment, NUM_RANKS, RANKS_PAD, SCALEUP_RANKS, SCALEUP_PAD, EXPERTS_PAD,
+                       False)
+    token_fields(pid, NUM_RECEIVERS, prefix_ptr, send_pos_ptr, topk_idx_ptr, dst_ptr, topk_copy_ptr, copy_topk,
+                 num_tokens, rank, experts_per_rank, NUM_RANKS, NUM_TOPK, TOPK_PAD, FIELD_BLOCK)
+    if PAD_ROWS:
+        received = tl.load(prefix_ptr + (NUM_RANKS - 1) * NUM_RANKS + rank)
+        padding_rows(pid, NUM_RECEIVERS, received, num_out_rows, out_src_ptr, out_idx_ptr, out_weights_ptr,
+                     metadata_ptr, NUM_TOPK, TOPK_PAD, META_PAD, FIELD_BLOCK)
