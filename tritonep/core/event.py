@@ -36,6 +36,10 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+# Holds nothing: one object serves every call that returns no event.
+NO_EVENT = EventOverlap(None)
+
+
 def capture_event() -> EventOverlap:
     """An event recorded on the current stream now (empty when CUDA is not in use)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -25,7 +25,7 @@ from tritonep.backends.nvlink.sizes import low_latency_buffer_bytes
 from tritonep.core import checks, routing, topology
 from tritonep.core.checks import byte_count, is_int, require
 from tritonep.core.config import Config
-from tritonep.core.event import EventOverlap, capture_event
+from tritonep.core.event import NO_EVENT, EventOverlap, capture_event
 from tritonep.core.groups import backend_for_comm, check_comm, group_from_comm
 from tritonep.core.handles import DispatchHandle, LowLatencyHandle
 from tritonep.core.rank_agreement import check_same_arguments
@@ -36,7 +36,6 @@ from tritonep.v1 import checks as v1_checks
 
 _buffer_ids = itertools.count(1)
 
-_NO_EVENT = EventOverlap(None)   # holds nothing: one object serves every call that returns no event
 
 # Replay keys of the calls made with a handle (the handle's table; see Buffer._plain_num_sms).
 _CACHED_DISPATCH, _COMBINE = "cached_dispatch", "combine"
@@ -265,7 +264,7 @@ class Buffer:
         if previous_event is None and not async_finish and not allocate_on_comm_stream and self.num_nodes == 1:
             # On the current stream, with no event (as on_comm_stream would run it), and no scope.
             per_rank, per_expert, in_rank = self.backend.get_dispatch_layout(topk_idx, num_experts)
-            return per_rank, None, per_expert, in_rank, _NO_EVENT
+            return per_rank, None, per_expert, in_rank, NO_EVENT
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         with on_comm_stream(self.backend.comm_stream(), previous_event, async_finish, (topk_idx,)) as scope:
             per_rank, per_expert, in_rank = self.backend.get_dispatch_layout(topk_idx, num_experts)
@@ -335,7 +334,7 @@ class Buffer:
                 replay = handle_replay(self._handle_replays, (_CACHED_DISPATCH, num_sms, scales is None), handle)
                 recv_x = replay(data, scales) if replay is not None else None
                 if recv_x is not None:
-                    return recv_x, None, None, None, None, _NO_EVENT
+                    return recv_x, None, None, None, None, NO_EVENT
         self._check_alive()
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = config or self.get_dispatch_config(self.group_size)
@@ -391,7 +390,7 @@ class Buffer:
             replay = handle_replay(self._handle_replays, (_COMBINE, num_sms, topk_weights is None), handle)
             combined = replay(x, topk_weights) if replay is not None else None
             if combined is not None:
-                return combined[0], combined[1], _NO_EVENT
+                return combined[0], combined[1], NO_EVENT
         self._check_alive()
         checks.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         config = config or self.get_combine_config(self.group_size)
@@ -494,7 +493,7 @@ class Buffer:
             result = self.backend.low_latency_dispatch(request, replay)
             if key is not None:
                 self._low_latency_replays.learn(key, result.replay)
-            return result.packed_recv_x, result.packed_recv_count, result.handle, _NO_EVENT, plain_hook(result.hook)
+            return result.packed_recv_x, result.packed_recv_count, result.handle, NO_EVENT, plain_hook(result.hook)
         with on_comm_stream(stream, None, async_finish, (x, topk_idx)) as scope:
             result = self.backend.low_latency_dispatch(request)
             scope.keep(result.packed_recv_x, result.packed_recv_count)
@@ -566,7 +565,7 @@ class Buffer:
             result = self.backend.low_latency_combine(request, replay)
             if key is not None:
                 self._low_latency_replays.learn(key, result.replay)
-            return result.combined_x, _NO_EVENT, plain_hook(result.hook)
+            return result.combined_x, NO_EVENT, plain_hook(result.hook)
         with on_comm_stream(stream, None, async_finish, (request.x, request.topk_idx, request.topk_weights)) as scope:
             result = self.backend.low_latency_combine(request)
             scope.keep(result.combined_x)

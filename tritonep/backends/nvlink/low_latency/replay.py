@@ -33,12 +33,11 @@ from tritonep.backends.nvlink.low_latency.call_order import CallOrder, LowLatenc
 from tritonep.backends.nvlink.low_latency.combine_kernel import low_latency_combine_kernel
 from tritonep.backends.nvlink.low_latency.dispatch_kernel import low_latency_dispatch_kernel
 from tritonep.backends.nvlink.low_latency.outputs import DispatchOutputs
-from tritonep.core.event import EventOverlap
+from tritonep.core.event import NO_EVENT
 from tritonep.core.handles import LowLatencyHandle
 from tritonep.runtime.launcher import argument_positions, current_stream
 
 _BF16, _INT64, _INT32, _FLOAT32 = torch.bfloat16, torch.int64, torch.int32, torch.float32
-_NO_EVENT = EventOverlap(None)   # holds nothing: one object serves every call
 
 # Where a repeat writes its call's values in the learnt argument lists. Call shapes that differ
 # only in the number of tokens share compiled launches: each call writes its own.
@@ -118,7 +117,7 @@ class LowLatencyDispatchReplay:
         """(packed_recv_x, packed_recv_count, handle, event) of a call in ``slot``."""
         outputs: DispatchOutputs = self.slots.outputs[slot]
         handle = outputs.handle(self.num_max_tokens, self.hidden, self.num_experts, self.buffer_id, received)
-        return outputs.packed, outputs.packed_count, handle, _NO_EVENT
+        return outputs.packed, outputs.packed_count, handle, NO_EVENT
 
     def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, recv_stats: torch.Tensor | None,
                  wait_stats: torch.Tensor | None) -> tuple | None:
@@ -164,7 +163,7 @@ class LowLatencyDispatchReplay:
             changes.append((_D_RECV_STATS, recv_stats_address))
         if wait_stats is not None:
             changes.append((_D_WAIT_STATS, wait_stats_address))
-        return packed, packed_count, handle, _NO_EVENT, _receive_hook(
+        return packed, packed_count, handle, NO_EVENT, _receive_hook(
             self.calls, order, call, slot, receive, tuple(changes), received, (x, topk_idx, recv_stats, wait_stats))
 
 
@@ -229,8 +228,8 @@ class LowLatencyCombineReplay:
         if out is None:
             out = self.slots.outputs[slot]   # the engine's combine output for this slot
         if not self.hook:
-            return out, _NO_EVENT, None
+            return out, NO_EVENT, None
         order.pending[slot] = call
         changes = tuple((index, raw[index]) for index in _COMBINE_CHANGES)
-        return out, _NO_EVENT, _receive_hook(calls, order, call, slot, receive, changes, None,
+        return out, NO_EVENT, _receive_hook(calls, order, call, slot, receive, changes, None,
                                              (x, topk_idx, topk_weights, out, wait_stats))
