@@ -16,6 +16,8 @@ from types import ModuleType
 
 import torch
 
+from tritonep.runtime.launcher import raw_argument
+
 
 class RecordedLaunch:
     """Stands for a compiled launch (launcher._Setup): same raw argument list, records calls."""
@@ -40,7 +42,7 @@ class NoKernel:
 
     def __getitem__(self, grid: tuple) -> object:
         def launch(*args: object, num_warps: int, **constants: object) -> None:
-            raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
+            raw = [raw_argument(value) for value in args]
             RecordedLaunch.log.append((None, grid[0], tuple(raw + [constants[name]
                                                                    for name in self.arg_names[len(args):]])))
         return launch

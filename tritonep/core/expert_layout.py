@@ -80,6 +80,17 @@ class LayoutSizes(NamedTuple):
         weights = source + X
         return 0, E, 2 * E, dst, metadata, slots, source, weights, weights + X
 
+    def topk_copy_at(self) -> int:
+        """Word offset of a topk_idx copy kept in the block after the fields, 16-byte aligned."""
+        return (self.offsets()[-1] + 3) // 4 * 4
+
+    def block_words(self, copy_topk_idx: bool) -> int:
+        """Words of a block that holds the fields, and with ``copy_topk_idx`` the topk_idx copy
+        (int64 [N, K] at ``topk_copy_at``)."""
+        if not copy_topk_idx:
+            return self.offsets()[-1]
+        return self.topk_copy_at() + 2 * self.num_tokens * self.num_topk
+
 
 class ExpertLayout:
     """V2's handle fields (``tritonep/v2/handle.py`` says how EPHandle shows them).
@@ -104,13 +115,26 @@ class ExpertLayout:
     expanded_weights: float32 [num_expanded], each expanded row's top-k weight, 0 on padding
         (None unless expanded).
 
-    All but ``topk_idx`` share one int32 allocation, ``block``, placed by ``LayoutSizes.offsets``
-    (the weights as float32 bits): a fresh dispatch allocates once for all of them, and each field
-    is a view made when first read, since a host call's cost is mostly its tensor objects.
+    The fields share one int32 allocation, ``block``, placed by ``LayoutSizes.offsets`` (the
+    weights as float32 bits), and a copy of ``topk_idx`` may follow them (``topk_copy_at``): a
+    fresh dispatch allocates once for all of them, and each field is a view made when first
+    read, since a host call's cost is mostly its tensor objects.
     """
 
-    def __init__(self, block: torch.Tensor, sizes: LayoutSizes, topk_idx: torch.Tensor) -> None:
-        self.block, self.sizes, self.topk_idx = block, sizes, topk_idx
+    def __init__(self, block: torch.Tensor, sizes: LayoutSizes, topk_idx: torch.Tensor | None = None,
+                 topk_copy_at: int | None = None) -> None:
+        """``topk_idx``: the tensor the layout's ``topk_idx`` is (the dispatch's own, or a copy
+        made apart); else ``topk_copy_at``: where its copy sits in ``block`` (a word offset
+        that ``sizes`` need not give: a block sized for more rows puts it further)."""
+        self.block, self.sizes = block, sizes
+        self._topk_idx, self._topk_copy_at = topk_idx, topk_copy_at
+
+    @functools.cached_property
+    def topk_idx(self) -> torch.Tensor:
+        if self._topk_copy_at is None:
+            return self._topk_idx
+        at, num_tokens, num_topk = self._topk_copy_at, self.sizes.num_tokens, self.sizes.num_topk
+        return self.block[at:at + 2 * num_tokens * num_topk].view(torch.int64).view(num_tokens, num_topk)
 
     def _field(self, index: int) -> torch.Tensor:
         start, end = self.sizes.offsets()[index:index + 2]

@@ -40,6 +40,11 @@ def _kinds(raw: list[int]) -> tuple[int, ...]:
     return tuple([(value & 15 == 0) + 2 * (value == 1) + 4 * (-2**31 <= value < 2**31) for value in raw])
 
 
+def _kind(value: int) -> int:
+    """``_kinds`` of one raw argument (``_kinds`` inlines the expression: it runs on every launch)."""
+    return (value & 15 == 0) + 2 * (value == 1) + 4 * (-2**31 <= value < 2**31)
+
+
 def next_power_of_2(value: int) -> int:
     """``triton.next_power_of_2`` for a call's host path: Triton's goes through its JIT wrapper,
     1.5 us per call on a workstation CPU against 0.04 us for this."""
@@ -94,6 +99,32 @@ def as_words(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int32)
 
 
+class DeviceAddress:
+    """A pointer argument into a tensor: ``base``'s memory from ``byte_offset`` on, as ``dtype``
+    elements (a whole number of them). Triton binds it as it binds a tensor of that dtype
+    (``data_ptr`` and ``dtype``) and a launch passes the address, so a kernel may write into part
+    of a larger allocation without the tensor object a view would cost the host (a few
+    microseconds each). Under the interpreter, which reads tensors and not addresses, the launch
+    makes that view (``as_tensor``)."""
+
+    __slots__ = ("base", "byte_offset", "dtype")
+
+    def __init__(self, base: torch.Tensor, byte_offset: int, dtype: torch.dtype) -> None:
+        self.base, self.byte_offset, self.dtype = base, byte_offset, dtype
+
+    def data_ptr(self) -> int:
+        return self.base.data_ptr() + self.byte_offset
+
+    def as_tensor(self) -> torch.Tensor:
+        return self.base.view(torch.uint8).view(-1)[self.byte_offset:].view(self.dtype)
+
+
+def raw_argument(value: Any) -> Any:
+    """A launch argument as the compiled launcher takes it: tensors and device addresses as
+    addresses, the rest as they are."""
+    return value.data_ptr() if isinstance(value, (torch.Tensor, DeviceAddress)) else value
+
+
 def current_stream() -> int:
     """The raw handle of the current CUDA stream, without making a torch Stream object."""
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
@@ -106,7 +137,7 @@ def respecialised(kernel: Any, raw: list, values: dict[int, int]) -> list | None
     ``unspecialised``, takes any value): the launch was compiled for the values it holds."""
     names, unspecialised = kernel.arg_names, kernel.unspecialised
     for position, value in values.items():
-        if names[position] not in unspecialised and _kinds([raw[position]]) != _kinds([value]):
+        if names[position] not in unspecialised and _kind(raw[position]) != _kind(value):
             return None
     args = list(raw)
     for position, value in values.items():
@@ -171,12 +202,15 @@ class FastLauncher:
         changing). Returns the setup it launched (its ``args`` may be rewritten and the launch
         repeated: a replay), None under the interpreter."""
         if INTERPRET:
+            args = [value.as_tensor() if isinstance(value, DeviceAddress) else value for value in args]
             self.kernel[(grid,)](*args, **(constants() if callable(constants) else constants), num_warps=num_warps)
             return None
         stream = current_stream()
         positions = self.changing if self.changing is not None else range(len(args))
         picked = self._pick(args) if self._pick is not None else map(args.__getitem__, positions)
-        changing = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in picked]
+        # (``raw_argument``, inlined: this runs for every argument of every launch)
+        changing = [value.data_ptr() if isinstance(value, (torch.Tensor, DeviceAddress)) else value
+                    for value in picked]
         if setup is None:
             setup = (grid, num_warps, *constants.values())
         key = (setup, _kinds(changing))
@@ -193,14 +227,14 @@ class FastLauncher:
         if callable(constants):
             constants = constants()
         compiled = self.kernel[(grid,)](*args, **constants, num_warps=num_warps)
-        raw = [value.data_ptr() if isinstance(value, torch.Tensor) else value for value in args]
+        raw = [raw_argument(value) for value in args]
         known = self.setups[key] = _Setup(compiled, grid, raw + [constants[name] for name in self.names[len(args):]])
         return known
 
     def _check_fixed(self, raw: list, args: tuple, changing_positions: Any) -> None:
         changing = set(changing_positions)
         for i, value in enumerate(args):
-            if i not in changing and raw[i] != (value.data_ptr() if isinstance(value, torch.Tensor) else value):
+            if i not in changing and raw[i] != raw_argument(value):
                 raise RuntimeError(f"{getattr(self.kernel, '__name__', self.kernel)}: argument {self.names[i]} "
                                    f"changed from {raw[i]} to {value} within one launch setup: its setup key "
                                    "must include it, or the launcher must list it as changing")

@@ -27,8 +27,12 @@ class HandleState:
     layout: ExpertLayout              # the handle's fields, the expanded layout's slots and sources among them
     rows: int                         # rows of the non-expanded layout (the engine's, padding included)
     hidden: int
-    topk_idx: torch.Tensor            # the EPHandle's topk_idx as made (what combine's replays read)
     experts_per_rank: int
+
+    @property
+    def topk_idx(self) -> torch.Tensor:
+        """The EPHandle's topk_idx as made (what combine's replays read)."""
+        return self.layout.topk_idx
 
     @property
     def slots(self) -> torch.Tensor | None:
@@ -81,20 +85,28 @@ class EPHandle:
     """
 
     def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
-                 num_sms: int, topk_idx: torch.Tensor, num_recv_tokens: int, num_expanded_tokens: int,
+                 num_sms: int, topk_idx: torch.Tensor | None, num_recv_tokens: int, num_expanded_tokens: int,
                  num_recv_tokens_per_expert_list: list[int], state: HandleState) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_sms = num_sms
-        self.topk_idx = topk_idx
+        self._topk_idx = topk_idx   # None: the layout's (its copy is viewed when first read)
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self.token_metadata_at_forward: torch.Tensor | None = None
         self.channel_linked_list: torch.Tensor | None = None
         self._state = state
+
+    @property
+    def topk_idx(self) -> torch.Tensor:
+        return self._state.layout.topk_idx if self._topk_idx is None else self._topk_idx
+
+    @topk_idx.setter
+    def topk_idx(self, value: torch.Tensor) -> None:
+        self._topk_idx = value
 
     # The device fields are views of one block (``ExpertLayout``), made when first read.
     psum_num_recv_tokens_per_scaleup_rank = _layout_field("psum_per_scaleup_rank")

@@ -358,6 +358,7 @@ _CHANGING = ("x_ptr", "scales_ptr", "scale_token_stride", "scale_col_stride", "t
              "release_due")
 DISPATCH = FastLauncher(dispatch_kernel, changing=_CHANGING)
 # A V2 fresh dispatch's launches (``LAYOUT``): the handle fields' arguments change per call too
-# (elsewhere they are placeholders, fixed per engine). T, fixed per setup, does not.
+# (elsewhere they are placeholders, fixed per engine); T, the alignment and the two flags, fixed
+# per setup, do not.
 DISPATCH_WITH_FIELDS = FastLauncher(dispatch_kernel, changing=_CHANGING + (
-    "fields_ptr", "topk_copy_ptr", "stats_ptr", "send_pos_ptr", "num_tokens", "alignment", "has_stats", "copy_topk"))
+    "fields_ptr", "topk_copy_ptr", "stats_ptr", "send_pos_ptr", "num_tokens"))

@@ -55,7 +55,7 @@ from tritonep.backends.nvlink.tuning import (
     tile_shape,
 )
 from tritonep.core.checks import InputError
-from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest, LayoutSizes
+from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
 from tritonep.core.handles import DispatchHandle
 from tritonep.core.routing import round_up_counts
 from tritonep.runtime.launcher import as_words
@@ -217,7 +217,7 @@ class NormalEngine:
         launched = None   # the compiled launch that filled the outputs: a cached dispatch learns it
         # V2's handle fields (not expanded), written by the receivers of a fresh dispatch.
         fields = request.handle_fields if handle is None and has_topk else None
-        fields_block: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        fields_block: tuple[torch.Tensor, int | None] | None = None   # the block and its topk_idx copy's place
 
         def send() -> None:   # writes only into peers' staging: needs no output and no host count
             DISPATCH(shape.senders, shape.send_setup, ahead + shape.unused_outputs + shape.no_fields + behind,
@@ -241,12 +241,13 @@ class NormalEngine:
                 launched = DISPATCH(programs, setup, ahead + output_args + shape.no_fields + behind, constants,
                                     t.warps)
             else:
-                fields_args, fields_block = handle_fields_arguments(request, fields, shape, plan.send_pos, rows,
-                                                                    self.placeholders, self.device)
+                fields_args, *fields_block = handle_fields_arguments(request, fields, shape, plan.send_pos, rows,
+                                                                     self.placeholders, self.device)
                 # Worst-case outputs: the receivers write the empty rows (not filled above).
                 pad_rows = request.num_worst_tokens > 0 and not pad
                 launched = DISPATCH_WITH_FIELDS(
-                    programs, (setup, fields.num_scaleup_ranks, request.num_max_tokens_per_rank, pad_rows),
+                    programs, (setup, fields.num_scaleup_ranks, request.num_max_tokens_per_rank, pad_rows,
+                               request.expert_alignment, fields.stats is not None, fields.copy_topk_idx),
                     ahead + output_args + fields_args + behind,
                     shape.fields_constants(constants, fields.num_scaleup_ranks, pad_rows), t.warps)
             if constants["SEND"]:
@@ -302,9 +303,9 @@ class NormalEngine:
             per_expert = round_up_counts(host[R * R: -2], request.expert_alignment)
         layout = None
         if fields_block is not None:
-            layout = ExpertLayout(fields_block[0], LayoutSizes(shape.experts_per_rank, fields.num_scaleup_ranks,
-                                                               num_out_rows, shape.num_topk, x.shape[0], None),
-                                  fields_block[1] if fields_block[1] is not None else request.topk_idx)
+            block, copy_at = fields_block
+            sizes = shape.fields_layout(num_out_rows, x.shape[0], fields.num_scaleup_ranks, copy_at is not None)[0]
+            layout = ExpertLayout(block, sizes, request.topk_idx if copy_at is None else None, copy_at)
         if handle is None:
             handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)

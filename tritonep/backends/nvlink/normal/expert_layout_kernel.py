@@ -31,6 +31,8 @@ nothing is read back, so a ``do_cpu_sync=False`` dispatch stays capturable in a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -46,7 +48,7 @@ from tritonep.backends.nvlink.normal.notify_kernel import source_expert_word
 from tritonep.backends.nvlink.normal.shape import Placeholders
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest, LayoutSizes
 from tritonep.runtime import kernel_names
-from tritonep.runtime.launcher import FastLauncher, aligned, current_stream, next_power_of_2
+from tritonep.runtime.launcher import DeviceAddress, FastLauncher, aligned, current_stream, next_power_of_2
 
 
 @triton.jit
@@ -266,28 +268,29 @@ class ExpertLayouts:
         num_tokens = topk_idx.shape[0]
         sizes = LayoutSizes(request.experts_per_rank, request.num_scaleup_ranks, num_rows, num_topk, num_tokens,
                             num_expanded)
-        block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=self._device)
-        topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=self._device) \
-            if request.copy_topk_idx else None
+        copy_topk = request.copy_topk_idx
+        block = torch.empty(sizes.block_words(copy_topk), dtype=torch.int32, device=self._device)
+        copy_at = sizes.topk_copy_at() if copy_topk else None
         setup = (launch_generation, self.rank, self.num_ranks, request.num_max_tokens_per_rank, num_topk,
                  request.experts_per_rank, request.num_scaleup_ranks, num_expanded is not None)
         # The per-call arguments, in the kernel's order (``_EXPERT_LAYOUT``'s ``changing``).
         changing = (exchange.data_ptr(), send_pos.data_ptr(), request.handle.recv_src_idx.data_ptr(),
                     recv_idx.data_ptr(), request.recv_topk_weights.data_ptr(), topk_idx.data_ptr(),
                     (stats if stats is not None else self._no_stats).data_ptr(), block.data_ptr(),
-                    (topk_copy if topk_copy is not None else self._no_copy).data_ptr(),
+                    block.data_ptr() + 4 * copy_at if copy_at is not None else self._no_copy.data_ptr(),
                     num_rows, num_tokens, num_expanded or 0, request.expert_alignment, int(stats is not None),
-                    int(topk_copy is not None))
+                    int(copy_topk))
         learnt = self._learnt.get(setup)
         if learnt is not None and _repeats(changing):
             learnt[1][:_CHANGING] = changing
             learnt[0](current_stream(), learnt[1])
         else:
+            topk_copy = DeviceAddress(block, 4 * copy_at, torch.int64) if copy_at is not None else self._no_copy
             self._launch(setup, request, exchange, send_pos, block, topk_copy, changing)
-        return ExpertLayout(block, sizes, topk_copy if topk_copy is not None else topk_idx)
+        return ExpertLayout(block, sizes, topk_idx if copy_at is None else None, copy_at)
 
     def _launch(self, setup: tuple, request: ExpertLayoutRequest, exchange: torch.Tensor, send_pos: torch.Tensor,
-                block: torch.Tensor, topk_copy: torch.Tensor | None, changing: tuple) -> None:
+                block: torch.Tensor, topk_copy: Any, changing: tuple) -> None:
         """The launch through the launcher (the first of a setup, or one a learnt launch may not
         repeat), kept for later calls when they may repeat it."""
         shape = self._shapes.get(setup)
@@ -301,7 +304,7 @@ class ExpertLayouts:
             # The kernel's argument groups, in its order.
             (exchange, send_pos, request.handle.recv_src_idx, request.recv_topk_idx, request.recv_topk_weights,
              request.topk_idx, stats if stats is not None else self._no_stats,
-             block, topk_copy if topk_copy is not None else self._no_copy, *changing[_TENSORS:], *shape.fixed_args),
+             block, topk_copy, *changing[_TENSORS:], *shape.fixed_args),
             shape.constants, 4)
         if launch is not None and _repeats(changing) and launch.args[:_CHANGING] == list(changing):
             self._learnt[setup] = [launch, list(launch.args)]

@@ -99,6 +99,10 @@ class Rebinding(NamedTuple):
     copy_engine: bool
 
 
+# Every slot of each replay class, its bases' included (what ``_copy`` copies), made on first use.
+_SLOTS: dict[type, list[str]] = {}
+
+
 class _HandleReplay:
     """What both replays check first: the engine's state and the input layout they learnt."""
 
@@ -113,10 +117,13 @@ class _HandleReplay:
 
     def _copy(self) -> Any:
         """A shallow copy (what ``rebind`` starts from)."""
-        copy = object.__new__(type(self))
-        for cls in type(self).__mro__:
-            for name in getattr(cls, "__slots__", ()):
-                setattr(copy, name, getattr(self, name))
+        cls = type(self)
+        names = _SLOTS.get(cls)
+        if names is None:
+            names = _SLOTS[cls] = [name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())]
+        copy = object.__new__(cls)
+        for name in names:
+            setattr(copy, name, getattr(self, name))
         return copy
 
     def fitting_addresses(self, main: torch.Tensor, other: torch.Tensor | None) -> tuple[int, int] | None:

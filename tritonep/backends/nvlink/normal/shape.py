@@ -19,6 +19,7 @@ from tritonep.backends.base import DispatchRequest
 from tritonep.backends.nvlink.memory import MAX_CHANNELS, StagingLayout, SymmetricBuffer
 from tritonep.backends.nvlink.tuning import Tuning, split_programs, tile_block, tile_shape
 from tritonep.core.expert_layout import HandleFieldsRequest, LayoutSizes
+from tritonep.runtime.launcher import DeviceAddress
 from tritonep.runtime.platform import GPU_KERNELS
 
 
@@ -67,6 +68,7 @@ class DispatchShape:
     staging: tuple          # the kernel's staging-area group (dispatch_kernel.py)
     last_fresh_rows: int | None = None   # rows the latest fresh dispatch of this shape received
     _fields_constants: dict = field(default_factory=dict)
+    _fields_layouts: dict = field(default_factory=dict)
 
     @property
     def row_bytes(self) -> int:
@@ -121,6 +123,21 @@ class DispatchShape:
                 EXPERTS_PAD=pow2(self.experts_per_rank), META_PAD=pow2(constants["NUM_TOPK"] + 2))
         return made
 
+    def fields_layout(self, rows: int, num_tokens: int, num_scaleup_ranks: int, copy_topk_idx: bool
+                     ) -> tuple[LayoutSizes, int, int | None]:
+        """V2's handle fields for ``rows`` rows and ``num_tokens`` tokens of this shape: their
+        ``LayoutSizes``, the words of their block and where it holds the topk_idx copy (None:
+        no copy), worked out once per kind (a fresh dispatch's host time is mostly such work)."""
+        key = (rows, num_tokens, num_scaleup_ranks, copy_topk_idx)
+        made = self._fields_layouts.get(key)
+        if made is None:
+            if len(self._fields_layouts) >= 64:   # token and row counts that vary from call to call
+                self._fields_layouts.clear()
+            sizes = LayoutSizes(self.experts_per_rank, num_scaleup_ranks, rows, self.num_topk, num_tokens, None)
+            made = self._fields_layouts[key] = (sizes, sizes.block_words(copy_topk_idx),
+                                               sizes.topk_copy_at() if copy_topk_idx else None)
+        return made
+
 
 def guess_rows(shape: DispatchShape, tuning: Tuning) -> int | None:
     """Rows to allocate for a fresh dispatch before its counts are known: the previous fresh
@@ -156,17 +173,17 @@ def dispatch_outputs(x: torch.Tensor, scales: torch.Tensor | None, shape: Dispat
 
 def handle_fields_arguments(request: DispatchRequest, fields: HandleFieldsRequest, shape: DispatchShape,
                             send_pos: torch.Tensor, rows: int, placeholders: Placeholders, device: torch.device
-                            ) -> tuple[tuple, tuple[torch.Tensor, torch.Tensor | None]]:
-    """The dispatch kernel's handle-fields group for a launch into ``rows`` output rows, and the
-    block and topk_idx copy it writes (``LayoutSizes``: a block sized for ``rows`` holds every
-    field of fewer rows in place). ``send_pos``: the send plan's positions (notify_kernel.py)."""
-    num_tokens, num_topk = request.topk_idx.shape
-    sizes = LayoutSizes(shape.experts_per_rank, fields.num_scaleup_ranks, rows, num_topk, num_tokens, None)
-    block = torch.empty(sizes.offsets()[-1], dtype=torch.int32, device=device)
-    topk_copy = torch.empty(num_tokens, num_topk, dtype=torch.int64, device=device) if fields.copy_topk_idx else None
+                            ) -> tuple[tuple, torch.Tensor, int | None]:
+    """The dispatch kernel's handle-fields group for a launch into ``rows`` output rows, the
+    block it writes and where the block holds the topk_idx copy (None: no copy). A block sized
+    for ``rows`` holds every field of fewer rows in place (``LayoutSizes``); the copy follows
+    the fields. ``send_pos``: the send plan's positions (notify_kernel.py)."""
+    num_tokens = request.topk_idx.shape[0]
+    copy_topk = fields.copy_topk_idx
+    _, words, copy_at = shape.fields_layout(rows, num_tokens, fields.num_scaleup_ranks, copy_topk)
+    block = torch.empty(words, dtype=torch.int32, device=device)
     stats = fields.stats
-    args = (block, topk_copy if topk_copy is not None else placeholders(torch.int64),
+    args = (block, DeviceAddress(block, 4 * copy_at, torch.int64) if copy_topk else placeholders(torch.int64),
             stats if stats is not None else placeholders(torch.int32), send_pos, num_tokens,
-            request.num_max_tokens_per_rank, request.expert_alignment, int(stats is not None),
-            int(topk_copy is not None))
-    return args, (block, topk_copy)
+            request.num_max_tokens_per_rank, request.expert_alignment, int(stats is not None), int(copy_topk))
+    return args, block, copy_at
