@@ -22,8 +22,8 @@ per call is the GPU's and would charge V2's extra kernel to its front end: on GP
 rows' host time is that of one call with the GPU idle before it (``timing.idle_host_us``). V2's
 fresh dispatch also makes the EPHandle's fields (prefix sums, source metadata, destination rows)
 that V1's handle does not have: on the NVLink backend the dispatch's receivers write them
-into one block and the copy of topk_idx, two allocations (``tests/test_v2_repeat.py`` counts
-them), and an expanded layout adds one launch of the expert-layout kernel. On CPU ranks both run
+into one block that also holds the copy of topk_idx, one allocation (``tests/test_v2_repeat.py``
+counts it), and an expanded layout adds one launch of the expert-layout kernel. On CPU ranks both run
 on the collective backend, which computes the fields with plain torch, and every figure is
 wall-clock time.
 """
@@ -156,6 +156,6 @@ def print_report(report: dict) -> None:
     print(f"(host: CPU time per call made back to back, fresh dispatches on GPUs one at a time with the GPU idle "
           f"before; budget for V2's front end: "
           f"{report['host_budget_us']:.0f} us over V1; a fresh V2 dispatch also makes the EPHandle's fields: on "
-          f"GPUs two allocations, the dispatch's receivers writing them)")
+          f"GPUs one allocation, the dispatch's receivers writing them)")
     for name, profiled in report.get("host_profile", {}).items():
         host_profile.print_differences(name, profiled)

@@ -13,7 +13,7 @@ in turn, the median of ``--calls`` calls each:
   ``get_dispatch_layout`` then ``dispatch``, the backend's layout and dispatch answering with
   the results of the real calls (a fresh dispatch's count exchange waits on the kernels). What
   is timed is each front end's own work: on the NVLink backend the dispatch itself writes V2's
-  handle fields (not expanded), so their host side (two allocations and the launch's arguments)
+  handle fields (not expanded), so their host side (one allocation and the launch's arguments)
   is in the answered dispatch and not timed here; the expanded layout's launch is faked like the
   others;
 * the same without a CPU sync: V2's ``do_cpu_sync=False`` against V1's ``num_worst_tokens``
