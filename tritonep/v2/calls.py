@@ -143,8 +143,9 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
     assert recv_idx is not None and recv_weights is not None
     rows = engine_handle.num_recv_rows
     if call.do_cpu_sync:
-        expert_list = list(result.num_recv_tokens_per_expert_list or [])
-        num_recv, num_expanded = rows, sum(expert_list)
+        expert_list = result.num_recv_tokens_per_expert_list or []
+        # Not expanded, the handle sums the counts when its num_expanded_tokens is first read.
+        num_recv, num_expanded = rows, sum(expert_list) if call.do_expand else None
     else:
         expert_list = []
         num_recv = R * T

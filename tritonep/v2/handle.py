@@ -85,7 +85,7 @@ class EPHandle:
     """
 
     def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
-                 num_sms: int, topk_idx: torch.Tensor | None, num_recv_tokens: int, num_expanded_tokens: int,
+                 num_sms: int, topk_idx: torch.Tensor | None, num_recv_tokens: int, num_expanded_tokens: int | None,
                  num_recv_tokens_per_expert_list: list[int], state: HandleState) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
@@ -94,11 +94,21 @@ class EPHandle:
         self.num_sms = num_sms
         self._topk_idx = topk_idx   # None: the layout's (its copy is viewed when first read)
         self.num_recv_tokens = num_recv_tokens
-        self.num_expanded_tokens = num_expanded_tokens
+        self._num_expanded_tokens = num_expanded_tokens   # None: the list's sum, made when first read
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self.token_metadata_at_forward: torch.Tensor | None = None
         self.channel_linked_list: torch.Tensor | None = None
         self._state = state
+
+    @property
+    def num_expanded_tokens(self) -> int:
+        if self._num_expanded_tokens is None:
+            self._num_expanded_tokens = sum(self.num_recv_tokens_per_expert_list)
+        return self._num_expanded_tokens
+
+    @num_expanded_tokens.setter
+    def num_expanded_tokens(self, value: int) -> None:
+        self._num_expanded_tokens = value
 
     @property
     def topk_idx(self) -> torch.Tensor:
