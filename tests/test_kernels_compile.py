@@ -33,6 +33,7 @@ from tritonep.backends.nvlink.normal.layout_kernel import LAYOUT_WARPS, dispatch
 from tritonep.backends.nvlink.normal.notify_kernel import notify_dispatch_kernel  # noqa: E402
 from tritonep.device.nvshmem import STORES  # noqa: E402
 from tritonep.runtime.kernel_names import mangled  # noqa: E402
+from tritonep.runtime.launcher import next_power_of_2  # noqa: E402
 
 POINTER_TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32", torch.bfloat16: "*bf16",
                  torch.bool: "*i1", torch.int8: "*i8"}
@@ -97,18 +98,25 @@ def test_layout_kernel_compiles(num_topk: int, num_ranks: int, num_experts: int)
     assert "vote.sync.ballot" in kernel.asm["ptx"] and kernel.asm["ptx"].count("atom.global") <= 1
 
 
-@pytest.mark.parametrize("exchange", [True, False])
-def test_notify_kernel_compiles(exchange: bool) -> None:
-    compile_for_hopper(notify_dispatch_kernel,
-                       dict(is_token_in_rank_ptr=BOOL, num_tokens=4096, num_tokens_per_expert_ptr=I32,
-                            hidden_words=3584, scale_words=56, num_topk=8, num_experts=256, max_tokens_per_rank=4096,
-                            report_to_status=1, invalid_ids_ptr=I32,
-                            token_list_ptr=I32, token_list_stride=4096, send_pos_ptr=I32,
-                            result_ptr=I32, host_result_ptr=I64, peer_base_ptrs=I64, rank=1, notify_epoch=3,
-                            experts_per_rank=128,
-                            status_ptr=I64, timeout_ns=60 * 10**9),
-                       dict(NOTIFY_FLAG_WORD=0, PAYLOAD_BYTE_OFFSET=8192, PAYLOAD_WORDS=1035, EXPERT_WORDS=1024,
-                            SIGNATURE=8, NUM_RANKS=3, RANKS_PAD=4, EXPERTS_PAD=128, BLOCK_T=256, EXCHANGE=exchange))
+@pytest.mark.parametrize("exchange,from_topk,num_ranks,num_topk", [
+    (True, False, 3, 8), (False, False, 3, 8), (True, True, 3, 8), (True, True, 8, 6), (True, True, 2, 1)])
+def test_notify_kernel_compiles(exchange: bool, from_topk: bool, num_ranks: int, num_topk: int) -> None:
+    topk_pad = next_power_of_2(num_topk) if from_topk else 1
+    kernel = compile_for_hopper(
+        notify_dispatch_kernel,
+        dict(is_token_in_rank_ptr=BOOL, topk_idx_ptr=I64 if from_topk else I32, num_tokens=4096,
+             num_tokens_per_expert_ptr=I32, hidden_words=3584, scale_words=56, num_topk=num_topk, num_experts=256,
+             max_tokens_per_rank=4096, report_to_status=1, invalid_ids_ptr=I32,
+             token_list_ptr=I32, token_list_stride=4096, send_pos_ptr=I32,
+             result_ptr=I32, host_result_ptr=I64, peer_base_ptrs=I64, rank=1, notify_epoch=3,
+             experts_per_rank=256 // num_ranks, status_ptr=I64, timeout_ns=60 * 10**9, layout_done_ptr=I64),
+        dict(NOTIFY_FLAG_WORD=0, PAYLOAD_BYTE_OFFSET=8192, PAYLOAD_WORDS=1035, EXPERT_WORDS=1024,
+             SIGNATURE=8, NUM_RANKS=num_ranks, RANKS_PAD=next_power_of_2(num_ranks),
+             EXPERTS_PAD=next_power_of_2(256 // num_ranks), BLOCK_T=1024, EXCHANGE=exchange, FROM_TOPK=from_topk,
+             LAYOUT_T=4096 // topk_pad if from_topk else 1, TOPK_PAD=topk_pad,
+             ALL_EXPERTS_PAD=256 if from_topk else 1))
+    # From topk_idx the per-expert counts come from the warps' ballots (a histogram).
+    assert not from_topk or "vote.sync.ballot" in kernel.asm["ptx"]
 
 
 @pytest.mark.parametrize("expand,has_stats,copy_topk,num_ranks,num_topk,experts_per_rank", [

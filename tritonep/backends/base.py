@@ -26,7 +26,9 @@ class DispatchRequest:
     x_scales: torch.Tensor | None         # [N, H/128] float32 or [N, H/512] int32, any strides
     topk_idx: torch.Tensor | None         # [N, K] int64 global expert ids, -1 = none
     topk_weights: torch.Tensor | None     # [N, K] float32
-    is_token_in_rank: torch.Tensor        # [N, R] bool
+    # [N, R] bool. None in a fresh request only to a backend whose ``layout_in_dispatch`` is True:
+    # it works out get_dispatch_layout's results from topk_idx itself (as do the two below).
+    is_token_in_rank: torch.Tensor | None
     num_tokens_per_rank: torch.Tensor | None  # [R] int32 (None in cached mode)
     num_tokens_per_expert: torch.Tensor | None  # [E] int32 (None in cached mode)
     num_experts: int                      # E (0 in cached mode)
@@ -193,6 +195,12 @@ class Backend(abc.ABC):
         return self.comm_stream()
 
     # ---- normal mode ---------------------------------------------------------------------
+    @property
+    def layout_in_dispatch(self) -> bool:
+        """Whether a fresh ``dispatch`` may come with ``topk_idx`` alone (no ``is_token_in_rank``
+        nor counts): a caller with no use for ``get_dispatch_layout``'s tensors then saves its call."""
+        return False
+
     @abc.abstractmethod
     def get_dispatch_layout(
         self, topk_idx: torch.Tensor, num_experts: int

@@ -1,7 +1,9 @@
 """V2's dispatch and combine as requests to one backend, plus the plain-torch work around them.
 
 A fresh V2 dispatch is a V1 dispatch of the same routing (``get_dispatch_layout``, then
-``dispatch`` with ``num_worst_tokens = R * T`` when there is no CPU sync) and the handle's
+``dispatch`` with ``num_worst_tokens = R * T`` when there is no CPU sync; on the NVLink backend
+the dispatch's count exchange works the layout out itself, with no launch or tensors of its
+own, since V2 returns none of them) and the handle's
 fields (:mod:`tritonep.core.expert_layout` defines them): on the NVLink backend its dispatch's
 receivers write them (``DispatchRequest.handle_fields``), except for the expanded layout, which,
 like every field on the other backends, the backend works out from what its dispatch left
@@ -108,12 +110,15 @@ def _col_major(scales: torch.Tensor | None, enabled: bool) -> torch.Tensor | Non
 def _engine_dispatch(engine: Engine, call: DispatchCall, weights: torch.Tensor, num_worst_tokens: int,
                      num_sms: int, pad_outputs: bool = True,
                      handle_fields: HandleFieldsRequest | None = None) -> DispatchResult:
-    """A fresh engine dispatch of ``call.topk_idx`` (layout, then dispatch). The engine learns T,
+    """A fresh engine dispatch of ``call.topk_idx`` (layout, then dispatch; the layout within the
+    dispatch where the backend works it out itself, ``Backend.layout_in_dispatch``). The engine learns T,
     which it compares across ranks, so that padding to R x T needs no later check.
     ``pad_outputs``, ``handle_fields``: as ``DispatchRequest``'s (``pad_outputs`` False only
     with the handle's fields to follow or asked for)."""
     backend = engine.backend
-    per_rank, per_expert, in_rank = backend.get_dispatch_layout(call.topk_idx, call.num_experts)
+    per_rank = per_expert = in_rank = None   # V2 has no use for them: the backend may work them out
+    if not backend.layout_in_dispatch:
+        per_rank, per_expert, in_rank = backend.get_dispatch_layout(call.topk_idx, call.num_experts)
     return backend.dispatch(DispatchRequest(
         x=call.x, x_scales=call.scales, topk_idx=call.topk_idx, topk_weights=weights, is_token_in_rank=in_rank,
         num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, num_experts=call.num_experts,

@@ -16,6 +16,7 @@ from tritonep.backends.nvlink.low_latency.backend_calls import LowLatencyBackend
 from tritonep.backends.nvlink.low_latency.engine import LowLatencyEngine
 from tritonep.backends.nvlink.memory import SymmetricBuffer, give_back_released
 from tritonep.backends.nvlink.normal.engine import NormalEngine
+from tritonep.backends.nvlink.normal.notify_kernel import MAX_FROM_TOPK_RANKS
 from tritonep.backends.nvlink.tuning import Tuning
 from tritonep.core.checks import InputError
 from tritonep.core.expert_layout import ExpertLayout, ExpertLayoutRequest
@@ -76,6 +77,11 @@ class NvlinkBackend(LowLatencyBackendCalls, base.Backend):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.normal.get_dispatch_layout(topk_idx, num_experts)
+
+    @property
+    def layout_in_dispatch(self) -> bool:
+        """The count exchange works the layout out itself (``notify_kernel``'s ``FROM_TOPK``)."""
+        return self.num_ranks <= MAX_FROM_TOPK_RANKS
 
     def dispatch(self, request: base.DispatchRequest) -> base.DispatchResult:
         return self.normal.dispatch(request)

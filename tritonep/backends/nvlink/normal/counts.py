@@ -53,20 +53,23 @@ class CountExchange:
         # Out-of-range expert ids that get_dispatch_layout counted; the exchange sends the count
         # to every rank with the call's signature.
         self.invalid_ids = torch.zeros(1, dtype=torch.int32, device=state.device)
+        # An exchange from topk_idx counts its finished programs here (zero between launches).
+        self.layout_done = torch.zeros(1, dtype=torch.int64, device=state.device)
 
     def start(self, memory: SymmetricBuffer, request: DispatchRequest, shape: DispatchShape, timeout_ns: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Launch the next exchange (the send plan and the counts of a fresh dispatch):
-        ``(token_list, send_pos, result)`` (``notify_kernel.notify_dispatch``)."""
+        ``(token_list, send_pos, result, is_token_in_rank)`` (``notify_kernel.notify_dispatch``),
+        from the request's layout, or from its ``topk_idx`` alone when it has none."""
         state = self.state
         state.notify_epoch += 1
-        # The exchange's fixed arguments (memory, ids counter, status, time-out, mailbox) are
+        # The exchange's fixed arguments (memory, ids counter, status, time-out, mailbox, done counter) are
         # this engine's under the current tuning: the launch generation stands for them.
         return notify_dispatch(
-            memory, request.is_token_in_rank, request.num_tokens_per_expert,
+            memory, request.is_token_in_rank, request.topk_idx, request.num_tokens_per_expert,
             (shape.x_words, shape.scale_words, shape.num_topk, request.num_experts, request.num_max_tokens_per_rank),
             request.num_worst_tokens > 0, self.invalid_ids, state.notify_epoch, state.status.tensor, timeout_ns,
-            self.mailbox, state.launch_generation)
+            self.mailbox, self.layout_done, state.launch_generation)
 
     def result(self, epoch: int, words: int, timeout_ns: int, what: str) -> list[int]:
         """The result words of exchange ``epoch`` from the host mailbox, once its flag shows the
@@ -107,8 +110,8 @@ class CountExchange:
         """Raise on every rank, before any row moves, if the count exchange found a problem."""
         if invalid_ids:
             self.invalid_ids.zero_()
-            raise InputError(f"topk_idx given to get_dispatch_layout had {invalid_ids} entries (over all ranks) "
-                             "outside [-1, num_experts); nothing was dispatched")
+            raise InputError(f"topk_idx had {invalid_ids} entries (over all ranks) outside [-1, num_experts); "
+                             "nothing was dispatched")
         if differing_words:
             raise InputError(f"ranks called dispatch with different arguments: {_problems(differing_words)}")
 
@@ -162,5 +165,5 @@ def _problems(bits: int) -> str:
     names = [name for word, name in enumerate(SIGNATURE_NAMES) if name is not None and bits >> word & 1]
     found = [f"ranks that disagree on {', '.join(names)}"] if names else []
     if bits >> INVALID_IDS_WORD & 1:
-        found.append("topk_idx entries outside [-1, num_experts) given to get_dispatch_layout")
+        found.append("topk_idx entries outside [-1, num_experts)")
     return " and ".join(found)

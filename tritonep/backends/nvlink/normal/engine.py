@@ -188,7 +188,7 @@ class NormalEngine:
                 raise InputError(f"num_worst_tokens={request.num_worst_tokens} does not fit the NVLink buffer "
                                  f"({shape.capacity} rows of {shape.row_bytes} bytes); make the Buffer with more "
                                  f"num_nvl_bytes")
-            token_list, send_pos, result = self.counts.start(self.memory, request, shape, self.timeout_ns)
+            token_list, send_pos, result, in_rank = self.counts.start(self.memory, request, shape, self.timeout_ns)
             prefix = result[: R * R].view(R, R)
             plan = SendPlan(token_list, send_pos, result)
             if request.num_worst_tokens > 0:
@@ -307,7 +307,7 @@ class NormalEngine:
             sizes = shape.fields_layout(num_out_rows, x.shape[0], fields.num_scaleup_ranks, copy_at is not None)[0]
             layout = ExpertLayout(block, sizes, request.topk_idx if copy_at is None else None, copy_at)
         if handle is None:
-            handle = DispatchHandle(prefix, request.is_token_in_rank, recv_src, num_out_rows, x.shape[1],
+            handle = DispatchHandle(prefix, in_rank, recv_src, num_out_rows, x.shape[1],
                                     self.buffer_id, plan)
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert, handle, replay, layout)
 
