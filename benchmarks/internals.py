@@ -8,19 +8,24 @@ tritonep's public API only (``Buffer``, ``Config``, ``utils``).
 * The NVLink backend's ``Tuning`` (kernel shapes, the combine's path), reached through
   ``Buffer.backend.tuning`` and swapped on one Buffer for the shape sweep and the SM-only combine;
   ``copy_engine_receives``: whether its cached dispatch receives on the copy engines at R ranks.
+* ``count_waits``: how long the NVLink backend's fresh dispatches wait for their count exchange
+  (``CountExchange.result``, timed by wrapping it), so that a fresh row can tell the host's own
+  work from its wait on the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from tritonep.backends.internode.layout import heap_bytes_for as internode_rdma_bytes
+from tritonep.backends.nvlink.normal.counts import CountExchange
 from tritonep.backends.nvlink.tuning import copy_engine_receives
 from tritonep.rank_pool import RankPool
 
-__all__ = ["RankPool", "changed_tuning", "copy_engine_receives", "internode_rdma_bytes"]
+__all__ = ["RankPool", "changed_tuning", "copy_engine_receives", "count_waits", "internode_rdma_bytes"]
 
 
 @contextlib.contextmanager
@@ -34,3 +39,25 @@ def changed_tuning(buffer: object, **changes: object) -> Iterator[dict]:
         yield dataclasses.asdict(backend.tuning)
     finally:
         backend.tuning = default
+
+
+@contextlib.contextmanager
+def count_waits() -> Iterator[Callable[[], int]]:
+    """Inside the block, the nanoseconds this process spends in the NVLink backend's read-backs of
+    count exchanges (the poll for the mailbox's flag and the words' copy out) add up; yields a
+    function that returns the running total."""
+    read_back = CountExchange.result
+    total = [0]
+
+    def timed(self: CountExchange, *args: object, **kwargs: object) -> list[int]:
+        begin = time.perf_counter_ns()
+        try:
+            return read_back(self, *args, **kwargs)
+        finally:
+            total[0] += time.perf_counter_ns() - begin
+
+    CountExchange.result = timed   # type: ignore[method-assign]
+    try:
+        yield lambda: total[0]
+    finally:
+        CountExchange.result = read_back   # type: ignore[method-assign]

@@ -212,6 +212,33 @@ def idle_host_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int)
     return slowest(group, statistics.median(times[3:]))
 
 
+def idle_paired_host_us(group: dist.ProcessGroup, first: Callable[[], object], second: Callable[[], object],
+                        pairs: int, waited_ns: Callable[[], int]) -> dict[str, list[float]]:
+    """Two calls' host times side by side, on this rank: ``pairs`` calls of each, in turn (the
+    order swapped every pair), each with the GPU idle before it and the ranks started together
+    (``idle_starts``). Per call its CPU microseconds, and its host work: that time less what it
+    spent waiting on the GPU (``waited_ns``: a running total in nanoseconds,
+    ``internals.count_waits``). Returns {"first", "second", "first_work", "second_work"}: lists
+    in pair order, the first 3 pairs (warm-up) left out.
+
+    One such call's time spreads widely (on H200 hosts, by over a hundred microseconds: it
+    waits on the GPU, the peers and a CPU that idled), so a difference of a few microseconds
+    shows only in the median of the per-pair differences, not in the difference of two medians."""
+    times: dict[str, list[float]] = {"first": [], "second": [], "first_work": [], "second_work": []}
+    calls = (("first", first), ("second", second))
+    for pair in range(pairs + 3):
+        for name, fn in calls if pair % 2 == 0 else calls[::-1]:
+            for _ in idle_starts(group, 1):
+                waited = waited_ns()
+                begin = time.perf_counter_ns()
+                fn()
+                elapsed = time.perf_counter_ns() - begin
+                if pair >= 3:
+                    times[name].append(elapsed / 1e3)
+                    times[f"{name}_work"].append((elapsed - (waited_ns() - waited)) / 1e3)
+    return times
+
+
 def graph_us(group: dist.ProcessGroup, fn: Callable[[], object], iters: int, calls: int = 10) -> float:
     """GPU microseconds per call with no host path: ``calls`` calls captured in one CUDA graph,
     the replay timed as one call (``median_us``) and divided by ``calls``."""

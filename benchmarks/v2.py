@@ -19,9 +19,15 @@ which drifts within minutes, moves both alike; each figure is the median over th
 "v2 - v1" the median of the rounds' differences. Fresh dispatches made back to back wait on the
 GPU (the counts a call reads back, the buffer the previous call still uses), so their host time
 per call is the GPU's and would charge V2's extra kernel to its front end: on GPUs the fresh
-rows' host time is that of one call with the GPU idle before it (``timing.idle_host_us``). V2's
+rows' host time is that of one call with the GPU idle before it (``timing.idle_host_us``). Even
+so, a fresh dispatch that reads its counts back spends most of that time waiting for the count
+exchange, whose length is the GPU's work before it and the ranks' skew, and moves by tens of
+microseconds from call to call: so the fresh rows time V1's and V2's calls in turn, and "v2 -
+v1" is the median of the per-pair differences (``timing.idle_paired_host_us``); they also give
+each call's host work, its time less that wait (``internals.count_waits``). V2's
 fresh dispatch also makes the EPHandle's fields (prefix sums, source metadata, destination rows)
-that V1's handle does not have: on the NVLink backend the dispatch's receivers write them
+that V1's handle does not have (and needs no layout call: on the NVLink backend its count
+exchange works the layout out itself): on the NVLink backend the dispatch's receivers write them
 into one block that also holds the copy of topk_idx, one allocation (``tests/test_v2_repeat.py``
 counts it), and an expanded layout adds one launch of the expert-layout kernel. On CPU ranks both run
 on the collective backend, which computes the fields with plain torch, and every figure is
@@ -41,15 +47,15 @@ import torch.distributed as dist
 
 import tritonep
 
-from . import host_profile, inputs, timing
+from . import host_profile, inputs, internals, timing
 from .normal import make_buffer
 
 # The V2 - V1 host time per call that the V2 front end may add (the issue's target).
 HOST_BUDGET_US = 5.0
 MIN_ROUNDS = 5
-# Calls per round of a fresh row's host time (each with the GPU idle before it): one such call's
-# host time varies by tens of microseconds (the count wait, the ranks' skew, a cold CPU), more
-# than the V2 - V1 differences the row is there to show.
+# Pairs of calls per round of a fresh row's host time (each call with the GPU idle before it): one
+# such call's host time varies by over a hundred microseconds (the count wait, the ranks' skew, a
+# CPU that idled), far more than the V2 - V1 differences the row is there to show.
 FRESH_CALLS_PER_ROUND = 40
 
 
@@ -97,27 +103,38 @@ def paired_calls(group: dist.ProcessGroup, args: argparse.Namespace, backend: st
 
 
 def measure_row(group: dist.ProcessGroup, v1_call: Callable[[], object], v2_call: Callable[[], object],
-                args: argparse.Namespace, waits_on_gpu: bool) -> dict:
+                args: argparse.Namespace, waits_on_gpu: bool, waited_ns: Callable[[], int]) -> dict:
     """One row's figures (see the module's docstring); every figure the slowest rank's.
     ``waits_on_gpu``: the call waits on the GPU, so that on GPUs its host time is taken with the
-    GPU idle before each call instead of back to back."""
+    GPU idle before each call, V1's and V2's calls in turn, instead of back to back, and its host
+    work without the count exchange's wait too (``waited_ns``: ``internals.count_waits``)."""
     gpu = timing.on_gpu(group)
+    idle = gpu and waits_on_gpu
     rounds = max(args.rounds, MIN_ROUNDS) if gpu else args.rounds
     gpu_us: dict[str, list[float]] = {"v1": [], "v2": []}
-    host_us: dict[str, list[float]] = {"v1": [], "v2": []}
+    host_us: dict[str, list[float]] = {"v1": [], "v2": []}   # back to back: per round; idle: per call
+    work_us: dict[str, list[float]] = {"v1": [], "v2": []}
     calls = {"v1": v1_call, "v2": v2_call}
     for round_ in range(rounds):
         order = ("v1", "v2") if round_ % 2 == 0 else ("v2", "v1")
-        for api in order:
-            host_us[api].append(
-                timing.idle_host_us(group, calls[api], FRESH_CALLS_PER_ROUND) if gpu and waits_on_gpu else
-                timing.back_to_back_host_us(calls[api], calls=10, rounds=5))
+        if idle:
+            times = timing.idle_paired_host_us(group, v1_call, v2_call, FRESH_CALLS_PER_ROUND, waited_ns)
+            for api, name in (("v1", "first"), ("v2", "second")):
+                host_us[api] += times[name]
+                work_us[api] += times[f"{name}_work"]
+        else:
+            for api in order:
+                host_us[api].append(timing.back_to_back_host_us(calls[api], calls=10, rounds=5))
         for api in order:
             gpu_us[api].append(timing.median_us(group, calls[api], max(args.iters // rounds, 3)))
-    differences = [v2 - v1 for v1, v2 in zip(host_us["v1"], host_us["v2"])]
     row = {f"{api}_gpu_us": statistics.median(gpu_us[api]) for api in calls}
-    row.update({f"{api}_host_us": timing.slowest(group, statistics.median(host_us[api])) for api in calls})
-    row["v2_minus_v1_host_us"] = timing.slowest(group, statistics.median(differences))
+    # Idle, the differences are per pair of calls (``timing.idle_paired_host_us``); back to back,
+    # per round.
+    for name, figures in (("host", host_us), ("host_work", work_us)):
+        if figures["v1"]:
+            differences = [v2 - v1 for v1, v2 in zip(figures["v1"], figures["v2"])]
+            row.update({f"{api}_{name}_us": timing.slowest(group, statistics.median(figures[api])) for api in calls})
+            row[f"v2_minus_v1_{name}_us"] = timing.slowest(group, statistics.median(differences))
     return row
 
 
@@ -132,8 +149,10 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "host_budget_us": HOST_BUDGET_US, "rows": {}}
     rows, buffers = paired_calls(group, args, backend, device)
-    for name, (v1_call, v2_call) in rows.items():
-        report["rows"][name] = measure_row(group, v1_call, v2_call, args, waits_on_gpu=name.startswith("fresh"))
+    with internals.count_waits() as waited_ns:
+        for name, (v1_call, v2_call) in rows.items():
+            report["rows"][name] = measure_row(group, v1_call, v2_call, args, waits_on_gpu=name.startswith("fresh"),
+                                               waited_ns=waited_ns)
     if args.host_profile:
         report["host_profile"] = {}
         for name, (v1_call, v2_call) in rows.items():
@@ -158,8 +177,13 @@ def print_report(report: dict) -> None:
         over = "  over budget" if gpu and row["v2_minus_v1_host_us"] > report["host_budget_us"] else ""
         print(f"{name:<30}{row['v1_gpu_us']:>11.1f}{row['v2_gpu_us']:>9.1f}{row['v1_host_us']:>12.1f}"
               f"{row['v2_host_us']:>9.1f}{row['v2_minus_v1_host_us']:>9.1f}{over}")
+        if "v2_minus_v1_host_work_us" in row:
+            over = "  over budget" if row["v2_minus_v1_host_work_us"] > report["host_budget_us"] else ""
+            print(f"{'  (host work, no count wait)':<30}{'':>20}{row['v1_host_work_us']:>12.1f}"
+                  f"{row['v2_host_work_us']:>9.1f}{row['v2_minus_v1_host_work_us']:>9.1f}{over}")
     print(f"(host: CPU time per call made back to back, fresh dispatches on GPUs one at a time with the GPU idle "
-          f"before; budget for V2's front end: "
+          f"before, and their host work: that time less the wait for the count exchange's result, which mostly "
+          f"measures the GPU and the ranks' skew; budget for V2's front end: "
           f"{report['host_budget_us']:.0f} us over V1; a fresh V2 dispatch also makes the EPHandle's fields: on "
           f"GPUs one allocation, the dispatch's receivers writing them)")
     for name, profiled in report.get("host_profile", {}).items():
