@@ -168,6 +168,32 @@ def back_to_back_host_us(fn: Callable[[], object], calls: int = 20, rounds: int 
     return statistics.median(samples)
 
 
+def paired_back_to_back_host_us(first: Callable[[], object], second: Callable[[], object], calls: int = 10,
+                                pairs: int = 5) -> dict[str, list[float]]:
+    """``back_to_back_host_us`` of two calls side by side: ``pairs`` pairs of rounds of ``calls``
+    calls, the first's and the second's round in turn (the order swapped every pair), the GPU
+    synchronised before each. Returns {"first", "second"}: CPU microseconds per call of each
+    round, in pair order, so that a difference is taken between rounds a few milliseconds apart
+    (the host's speed drifts over seconds)."""
+    gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    for fn in (first, second):
+        for _ in range(5):
+            fn()
+    times: dict[str, list[float]] = {"first": [], "second": []}
+    rounds = (("first", first), ("second", second))
+    for pair in range(pairs):
+        for name, fn in rounds if pair % 2 == 0 else rounds[::-1]:
+            if gpu:
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - begin) / calls * 1e6)
+    if gpu:
+        torch.cuda.synchronize()
+    return times
+
+
 def first_use_host_us(make: Callable[[], object], use: Callable[[object], object], calls: int = 8,
                       rounds: int = 3) -> float:
     """CPU microseconds per call of ``use(made)`` when every call is the first made with its

@@ -13,10 +13,11 @@ the same ``--num-sms``:
 * combine: ``combine(recv_x, handle)``, and with the received top-k weights.
 
 Per call: GPU time (``timing.median_us``: one call at a time, the host path hidden) and host
-CPU time per call made back to back (``timing.back_to_back_host_us``), V1 and V2 in turn over
-``--rounds`` rounds (at least 5 on GPUs), the order swapped every round, so that the host's speed,
-which drifts within minutes, moves both alike; each figure is the median over the rounds and
-"v2 - v1" the median of the rounds' differences. Fresh dispatches made back to back wait on the
+CPU time per call made back to back (``timing.paired_back_to_back_host_us``): rounds of 10 calls,
+V1's and V2's in turn, the order swapped every pair, over ``--rounds`` rounds of 5 pairs (at
+least 5 rounds on GPUs), so that the host's speed, which drifts within minutes, moves both
+alike; each figure is the median over the rounds of calls and "v2 - v1" the median of the
+pairs' differences. Fresh dispatches made back to back wait on the
 GPU (the counts a call reads back, the buffer the previous call still uses), so their host time
 per call is the GPU's and would charge V2's extra kernel to its front end: on GPUs the fresh
 rows' host time is that of one call with the GPU idle before it (``timing.idle_host_us``). Even
@@ -112,24 +113,23 @@ def measure_row(group: dist.ProcessGroup, v1_call: Callable[[], object], v2_call
     idle = gpu and waits_on_gpu
     rounds = max(args.rounds, MIN_ROUNDS) if gpu else args.rounds
     gpu_us: dict[str, list[float]] = {"v1": [], "v2": []}
-    host_us: dict[str, list[float]] = {"v1": [], "v2": []}   # back to back: per round; idle: per call
+    host_us: dict[str, list[float]] = {"v1": [], "v2": []}   # per pair: of calls (idle), of rounds of calls
     work_us: dict[str, list[float]] = {"v1": [], "v2": []}
     calls = {"v1": v1_call, "v2": v2_call}
     for round_ in range(rounds):
         order = ("v1", "v2") if round_ % 2 == 0 else ("v2", "v1")
         if idle:
             times = timing.idle_paired_host_us(group, v1_call, v2_call, FRESH_CALLS_PER_ROUND, waited_ns)
-            for api, name in (("v1", "first"), ("v2", "second")):
-                host_us[api] += times[name]
-                work_us[api] += times[f"{name}_work"]
         else:
-            for api in order:
-                host_us[api].append(timing.back_to_back_host_us(calls[api], calls=10, rounds=5))
+            times = timing.paired_back_to_back_host_us(v1_call, v2_call, calls=10, pairs=5)
+        for api, name in (("v1", "first"), ("v2", "second")):
+            host_us[api] += times[name]
+            work_us[api] += times.get(f"{name}_work", [])
         for api in order:
             gpu_us[api].append(timing.median_us(group, calls[api], max(args.iters // rounds, 3)))
     row = {f"{api}_gpu_us": statistics.median(gpu_us[api]) for api in calls}
-    # Idle, the differences are per pair of calls (``timing.idle_paired_host_us``); back to back,
-    # per round.
+    # "v2 - v1": the median of the per-pair differences (``timing.idle_paired_host_us``,
+    # ``timing.paired_back_to_back_host_us``).
     for name, figures in (("host", host_us), ("host_work", work_us)):
         if figures["v1"]:
             differences = [v2 - v1 for v1, v2 in zip(figures["v1"], figures["v2"])]
@@ -148,6 +148,10 @@ def run_rank(group: dist.ProcessGroup, args: argparse.Namespace) -> dict:
                     "device": torch.cuda.get_device_name() if gpu else "cpu",
                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "host_budget_us": HOST_BUDGET_US, "rows": {}}
+    # How fast this host is (host figures move with it): a torch add_ back to back.
+    yardstick = torch.zeros(16, dtype=torch.float32, device=device)
+    report["torch_add_host_back_to_back_us"] = timing.slowest(
+        group, timing.back_to_back_host_us(lambda: yardstick.add_(1)))
     rows, buffers = paired_calls(group, args, backend, device)
     with internals.count_waits() as waited_ns:
         for name, (v1_call, v2_call) in rows.items():
@@ -186,5 +190,6 @@ def print_report(report: dict) -> None:
           f"measures the GPU and the ranks' skew; budget for V2's front end: "
           f"{report['host_budget_us']:.0f} us over V1; a fresh V2 dispatch also makes the EPHandle's fields: on "
           f"GPUs one allocation, the dispatch's receivers writing them)")
+    print(f"(host yardstick: a torch add_ per call, back to back, {report['torch_add_host_back_to_back_us']:.1f} us)")
     for name, profiled in report.get("host_profile", {}).items():
         host_profile.print_differences(name, profiled)
