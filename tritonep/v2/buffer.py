@@ -342,10 +342,10 @@ class ElasticBuffer:
                 and do_expand is handle.do_expand and (do_expand or not do_zero_padding)):
             data, scales = x if type(x) is tuple and len(x) == 2 else (x, None)
             if type(data) is torch.Tensor and (scales is None or type(scales) is torch.Tensor):
-                received = calls.replayed_dispatch(self._engine, handle, data, scales, num_sms or self._default_num_sms,
+                outputs = calls.replayed_dispatch(self._engine, handle, data, scales, num_sms or self._default_num_sms,
                                                    do_zero_padding, use_tma_aligned_col_major_sf)
-                if received is not None:
-                    return _dispatch_outputs(received, EventOverlap())
+                if outputs is not None:
+                    return outputs
         self._check_alive()
         # No event to wait for or to return: the work runs on the caller's stream, with no scope
         # to enter and no outputs to record (what on_comm_stream would do, less its host cost).
@@ -365,12 +365,12 @@ class ElasticBuffer:
             stats=cumulative_local_expert_recv_stats, before_epilogue=previous_event_before_epilogue)
         run = calls.cached_dispatch if call.handle is not None else calls.fresh_dispatch
         if plain:
-            return _dispatch_outputs(run(self._engine, call, options), EventOverlap())
+            return run(self._engine, call, options).outputs(EventOverlap())
         inputs = (call.x, call.scales, call.topk_idx, call.topk_weights, cumulative_local_expert_recv_stats)
         with on_comm_stream(self.backend.comm_stream(), previous_event, async_with_compute_stream, inputs) as scope:
             received = run(self._engine, call, options)
             scope.keep(*received.tensors())
-        return _dispatch_outputs(received, wrap(scope.event))
+        return received.outputs(wrap(scope.event))
 
     @without_torch_function
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
@@ -398,15 +398,13 @@ class ElasticBuffer:
                 (0 where topk_idx is -1), or None without topk_weights.
             event: an EventOverlap to wait on when ``async_with_compute_stream``.
         """
-        # A combine repeated as before (every layer, every step): as in dispatch. The weights
-        # are checked here because they are masked before the replay sees them.
+        # A combine repeated as before (every layer, every step): as in dispatch. The replay
+        # compares x and the weights with those it learnt from a checked call (dtype, shape,
+        # strides, device), so only their types are checked here.
         if (self._replayable(handle, num_sms, num_qps, previous_event, previous_event_before_epilogue,
                              async_with_compute_stream, allocate_on_comm_stream)
                 and bias is None and not handle.do_expand and type(x) is torch.Tensor
-                and (topk_weights is None or (type(topk_weights) is torch.Tensor
-                                              and topk_weights.dtype is torch.float32
-                                              and topk_weights.shape == handle._state.recv_topk_idx.shape
-                                              and topk_weights.device == x.device))):
+                and (topk_weights is None or type(topk_weights) is torch.Tensor)):
             combined = calls.replayed_combine(self._engine, handle, x, topk_weights, num_sms or handle.num_sms)
             if combined is not None:
                 return combined[0], combined[1], EventOverlap()
@@ -426,12 +424,6 @@ class ElasticBuffer:
 def _same(given: object, cached: int) -> bool:
     """A cached dispatch's option left out, or given as the handle has it."""
     return given is None or (type(given) is int and given == cached)
-
-
-def _dispatch_outputs(received: calls.Received, event: EventOverlap) -> tuple:
-    """dispatch's return value: (recv_x, recv_topk_idx, recv_topk_weights, handle, event)."""
-    recv_x = received.x if received.scales is None else (received.x, received.scales)
-    return recv_x, received.topk_idx, received.topk_weights, received.handle, event
 
 
 def _domain_group_size(group: dist.ProcessGroup) -> int:

@@ -83,6 +83,11 @@ class Received:
     topk_weights: torch.Tensor | None
     handle: EPHandle
 
+    def outputs(self, event: EventOverlap) -> tuple:
+        """dispatch's return value: (recv_x, recv_topk_idx, recv_topk_weights, handle, event)."""
+        recv_x = self.x if self.scales is None else (self.x, self.scales)
+        return recv_x, self.topk_idx, self.topk_weights, self.handle, event
+
     def tensors(self) -> tuple:
         """Every tensor made on the communication stream that the caller's stream may read: the
         outputs and the handle's (``runtime.streams`` records them on the caller's stream)."""
@@ -175,20 +180,23 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
 
 
 def replayed_dispatch(engine: Engine, handle: EPHandle, x: torch.Tensor, scales: torch.Tensor | None, num_sms: int,
-                      do_zero_padding: bool, col_major_sf: bool) -> Received | None:
+                      do_zero_padding: bool, col_major_sf: bool) -> tuple | None:
     """A cached dispatch without top-k weights, on the caller's stream, through the replay its
-    engine handle learnt (or another handle's, rebound to it); None when there is none yet or
-    ``x`` does not fit it (the general path then checks everything)."""
+    engine handle learnt (or another handle's, rebound to it): dispatch's return value
+    (``Received.outputs``), or None when there is no replay yet or ``x`` does not fit it (the
+    general path then checks everything)."""
     state = handle._state
     replay = handle_replay(engine.handle_replays, (_CACHED_DISPATCH, num_sms, scales is None), state.engine_handle)
     replayed = replay(x, scales) if replay is not None else None
     if replayed is None:
         return None
-    recv_x, recv_scales = replayed if scales is not None else (replayed, None)
-    if handle.do_expand or (col_major_sf and recv_scales is not None):
-        return _cached_outputs(handle, recv_x, recv_scales, None, handle.do_expand, do_zero_padding, col_major_sf)
-    # The usual repeat (every layer's backward): what _cached_outputs gives, without its calls.
-    return Received(recv_x, recv_scales, state.recv_topk_idx, None, handle)
+    if handle.do_expand or (col_major_sf and scales is not None):
+        recv_x, recv_scales = replayed if scales is not None else (replayed, None)
+        return _cached_outputs(handle, recv_x, recv_scales, None, handle.do_expand, do_zero_padding,
+                               col_major_sf).outputs(EventOverlap())
+    # The usual repeat (every layer's backward): what _cached_outputs gives, without its calls;
+    # the replay returns recv_x as dispatch does (with its scales: a pair).
+    return replayed, state.recv_topk_idx, None, handle, EventOverlap()
 
 
 def cached_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Received:
@@ -247,7 +255,8 @@ def replayed_combine(engine: Engine, handle: EPHandle, x: torch.Tensor, topk_wei
                      num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A combine of a non-expanded handle without bias, on the caller's stream, through the
     replay its engine handle learnt: (combined_x, combined_topk_weights), or None as in
-    ``replayed_dispatch``. ``topk_weights``: float32, the shape of the handle's ids, on x's device.
+    ``replayed_dispatch``. ``topk_weights``: a tensor, which the replay compares with those it
+    learnt from a checked call (dtype, shape, strides, device).
     A replay with weights applies the ``OwnSlots`` it was learnt with, which read the handle's
     ``topk_idx`` as it was made (a new handle's first such combine rebinds them to its own): a
     handle whose ``topk_idx`` was replaced takes the general path."""
