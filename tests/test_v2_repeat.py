@@ -95,7 +95,8 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
 
     def both_paths(call: Callable[[], tuple], counters: tuple[str, str], what: str,
                    subject: deep_ep.EPHandle | None = None) -> None:
-        """``call`` through its replay, then through the general path, from the same counters.
+        """``call`` through its replay, then through the general path, from the same counters
+        (launches, outputs' shapes, counters after, and the class of the event returned alike).
         ``subject``: a handle whose first call this is (its replay is another handle's, rebound)."""
         before = tuple(getattr(state, counter) for counter in counters)
         target = engine_handle if subject is None else subject._state.engine_handle
@@ -109,7 +110,7 @@ def replays_match_general_path(group: dist.ProcessGroup) -> list[str]:
             result = call()
             outputs = tuple(item for item in result if not isinstance(item, deep_ep.EPHandle))[:3]
             runs.append((named_launches(RecordedLaunch.log, outputs), result_shapes(outputs),
-                         tuple(getattr(state, counter) for counter in counters)))
+                         tuple(getattr(state, counter) for counter in counters), type(result[-1])))
         target.replays, v2._engine.handle_replays = learnt, latest
         if runs[0] != runs[1]:
             problems.append(f"{what}: replay {runs[0]} != general {runs[1]}")

@@ -25,11 +25,11 @@ import torch
 
 from tritonep.backends.base import Backend, CombineRequest, DispatchRequest, DispatchResult, OwnSlots
 from tritonep.core.config import Config
-from tritonep.core.event import EventOverlap
 from tritonep.core.expert_layout import ExpertLayoutRequest, HandleFieldsRequest, expand_weights
 from tritonep.core.replay import ReplayTable, handle_replay, learn_handle_replay
 from tritonep.v2 import expand
 from tritonep.v2.checks import CombineCall, DispatchCall
+from tritonep.v2.event import EventOverlap
 from tritonep.v2.handle import EPHandle, HandleState
 
 # Replay keys of the calls made with an engine handle (its ReplayTable; see core/replay.py).
