@@ -155,17 +155,21 @@ def back_to_back_host_us(fn: Callable[[], object], calls: int = 20, rounds: int 
     gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     for _ in range(5):
         fn()
-    samples = []
-    for _ in range(rounds):
-        if gpu:
-            torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - begin) / calls * 1e6)
+    samples = [_round_us(fn, calls, gpu) for _ in range(rounds)]
     if gpu:
         torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def _round_us(fn: Callable[[], object], calls: int, gpu: bool) -> float:
+    """CPU microseconds per call of ``calls`` calls of ``fn`` made back to back, the GPU (when
+    ``gpu``) synchronised first."""
+    if gpu:
+        torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - begin) / calls * 1e6
 
 
 def paired_back_to_back_host_us(first: Callable[[], object], second: Callable[[], object], calls: int = 10,
@@ -183,12 +187,7 @@ def paired_back_to_back_host_us(first: Callable[[], object], second: Callable[[]
     rounds = (("first", first), ("second", second))
     for pair in range(pairs):
         for name, fn in rounds if pair % 2 == 0 else rounds[::-1]:
-            if gpu:
-                torch.cuda.synchronize()
-            begin = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - begin) / calls * 1e6)
+            times[name].append(_round_us(fn, calls, gpu))
     if gpu:
         torch.cuda.synchronize()
     return times

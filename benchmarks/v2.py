@@ -20,7 +20,7 @@ alike; each figure is the median over the rounds of calls and "v2 - v1" the medi
 pairs' differences. Fresh dispatches made back to back wait on the
 GPU (the counts a call reads back, the buffer the previous call still uses), so their host time
 per call is the GPU's and would charge V2's extra kernel to its front end: on GPUs the fresh
-rows' host time is that of one call with the GPU idle before it (``timing.idle_host_us``). Even
+rows' host time is that of one call with the GPU idle before it (``timing.idle_starts``). Even
 so, a fresh dispatch that reads its counts back spends most of that time waiting for the count
 exchange, whose length is the GPU's work before it and the ranks' skew, and moves by tens of
 microseconds from call to call: so the fresh rows time V1's and V2's calls in turn, and "v2 -
@@ -57,7 +57,7 @@ MIN_ROUNDS = 5
 # Pairs of calls per round of a fresh row's host time (each call with the GPU idle before it): one
 # such call's host time varies by over a hundred microseconds (the count wait, the ranks' skew, a
 # CPU that idled), far more than the V2 - V1 differences the row is there to show.
-FRESH_CALLS_PER_ROUND = 40
+FRESH_PAIRS_PER_ROUND = 40
 
 
 def make_elastic_buffer(group: dist.ProcessGroup, backend: str, **kwargs: object) -> tritonep.ElasticBuffer:
@@ -119,7 +119,7 @@ def measure_row(group: dist.ProcessGroup, v1_call: Callable[[], object], v2_call
     for round_ in range(rounds):
         order = ("v1", "v2") if round_ % 2 == 0 else ("v2", "v1")
         if idle:
-            times = timing.idle_paired_host_us(group, v1_call, v2_call, FRESH_CALLS_PER_ROUND, waited_ns)
+            times = timing.idle_paired_host_us(group, v1_call, v2_call, FRESH_PAIRS_PER_ROUND, waited_ns)
         else:
             times = timing.paired_back_to_back_host_us(v1_call, v2_call, calls=10, pairs=5)
         for api, name in (("v1", "first"), ("v2", "second")):

@@ -173,7 +173,7 @@ def fresh_dispatch(engine: Engine, call: DispatchCall, options: Options) -> Rece
     state = HandleState(engine.buffer_id, engine_handle, recv_idx, fields, rows, call.x.shape[1], experts_per_rank)
     handle = EPHandle(
         do_expand=call.do_expand, num_experts=call.num_experts, expert_alignment=call.expert_alignment,
-        num_max_tokens_per_rank=T, num_sms=options.num_sms, topk_idx=None, num_recv_tokens=num_recv,
+        num_max_tokens_per_rank=T, num_sms=options.num_sms, num_recv_tokens=num_recv,
         num_expanded_tokens=num_expanded, num_recv_tokens_per_expert_list=expert_list, state=state)
     return Received(recv_x, _col_major(recv_scales, options.col_major_sf), None if call.do_expand else recv_idx,
                     recv_weights if call.topk_weights is not None else None, handle)

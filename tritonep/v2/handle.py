@@ -85,14 +85,15 @@ class EPHandle:
     """
 
     def __init__(self, do_expand: bool, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int,
-                 num_sms: int, topk_idx: torch.Tensor | None, num_recv_tokens: int, num_expanded_tokens: int | None,
+                 num_sms: int, num_recv_tokens: int, num_expanded_tokens: int | None,
                  num_recv_tokens_per_expert_list: list[int], state: HandleState) -> None:
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.num_sms = num_sms
-        self._topk_idx = topk_idx   # None: the layout's (its copy is viewed when first read)
+        # Set only when the caller replaces it; until then the layout's (its copy is viewed when first read).
+        self._topk_idx: torch.Tensor | None = None
         self.num_recv_tokens = num_recv_tokens
         self._num_expanded_tokens = num_expanded_tokens   # None: the list's sum, made when first read
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list

@@ -358,19 +358,21 @@ def notify_dispatch(
     # Separate allocations: carving them out of one takes longer on the host (slicing and viewing
     # a tensor costs more than allocating one).
     device = routing.device
+    # From topk_idx: the tile and programs of the layout's share, and the result's tail for them.
+    layout_t = programs = topk_pad = all_experts_pad = 1
+    tail_experts = tail_programs = 0
     if from_topk:
         is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=device)
+        num_topk = routing.shape[1]
+        layout_t, programs = layout_programs(num_tokens, num_topk)
+        topk_pad, all_experts_pad = next_power_of_2(num_topk), next_power_of_2(num_experts)
+        tail_experts, tail_programs = num_experts, programs
     token_list = torch.empty(num_ranks, max(num_tokens, 1), dtype=torch.int32, device=device)
     send_pos = torch.empty(num_tokens + 1, num_ranks, dtype=torch.int32, device=device)
-    num_topk = routing.shape[1]
-    layout_t, programs = layout_programs(num_tokens, num_topk) if from_topk else (1, 1)
-    result = torch.empty(result_words(num_ranks, experts_per_rank, num_experts if from_topk else 0,
-                                      programs if from_topk else 0),
+    result = torch.empty(result_words(num_ranks, experts_per_rank, tail_experts, tail_programs),
                          dtype=torch.int32, device=device) if exchange else None
     block_t = min(1024, next_power_of_2(num_tokens))
     experts_pad = next_power_of_2(experts_per_rank)
-    topk_pad = next_power_of_2(num_topk) if from_topk else 1
-    all_experts_pad = next_power_of_2(num_experts) if from_topk else 1
 
     def constants() -> dict:   # made only when the setup is new (FastLauncher)
         layout = memory.signals
